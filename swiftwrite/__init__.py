@@ -1,0 +1,3 @@
+"""swiftwrite: long documents from a local language model, faster, token for token unchanged."""
+
+__version__ = "0.1.0"

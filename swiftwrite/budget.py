@@ -1,0 +1,89 @@
+"""How many draft nodes to verify: the forward-pass cost curve of this machine, and the budget it implies.
+
+A verification forward over n tokens costs c(n). With node estimates p_1 >= p_2 >= ... (probability that
+each node is accepted), a tree of the best B nodes yields on average 1 + p_1 + ... + p_B tokens, so the
+expected throughput is (1 + sum_{j<=B} p_j) / c(B + 1). The budget is the B that maximises it, chosen
+again at every step from that step's own estimates. On a GPU c is nearly flat and B grows large; on a
+2-core CPU c(16) is about 3 c(1) and B stays small.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+MAX_BUDGET = 63  # draft nodes; a forward over 64 tokens is the largest size measured
+
+
+class CostCurve:
+    def __init__(self, sizes, seconds):
+        self.sizes = np.asarray(sizes, dtype=np.float64)
+        self.seconds = np.asarray(seconds, dtype=np.float64)
+
+    def __call__(self, n: np.ndarray | int) -> np.ndarray:
+        return np.interp(n, self.sizes, self.seconds)
+
+    def to_dict(self) -> dict:
+        return {"sizes": self.sizes.astype(int).tolist(), "ms": [round(s * 1e3, 2) for s in self.seconds]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostCurve":
+        return cls(d["sizes"], [m / 1e3 for m in d["ms"]])
+
+
+def best_budget(scores: list[float], cost: CostCurve, cap: int = MAX_BUDGET) -> int:
+    """argmax_B (1 + sum of the B best scores) / cost(B + 1), B in 0..cap."""
+    p = np.asarray(sorted(scores, reverse=True)[:cap], dtype=np.float64)
+    gain = 1.0 + np.concatenate([[0.0], np.cumsum(p)])
+    rate = gain / cost(np.arange(len(gain)) + 1)
+    return int(np.argmax(rate))
+
+
+def measure(model, cache, reps: int = 3, sizes=SIZES) -> CostCurve:
+    """Time forwards of n scratch tokens after the cache's committed slots (nothing is committed)."""
+    free = cache.capacity - cache.length
+    sizes = [n for n in sizes if n <= free]
+    pos0 = max(0, cache.length)
+    out = []
+    for n in sizes:
+        ids = torch.zeros(n, dtype=torch.long, device=model.device)
+        pos = torch.arange(pos0, pos0 + n, device=model.device).clamp_(max=model.cfg.max_positions - 1)
+        mask = torch.ones(n, n, dtype=torch.bool, device=model.device).tril_() if n > 1 else None
+        model.forward(ids, pos, cache, mask)  # warm-up
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            model.forward(ids, pos, cache, mask)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        out.append(best)
+    return CostCurve(sizes, out)
+
+
+def cached_curve(path: Path, key: str, make) -> CostCurve:
+    """The curve stored under `key` in the JSON file `path`, or a fresh measurement stored there."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    if key in data:
+        try:
+            return CostCurve.from_dict(data[key])
+        except (KeyError, TypeError, ValueError):
+            pass
+    curve = make()
+    data[key] = curve.to_dict()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a cache we cannot write only costs a re-measurement next time
+    return curve

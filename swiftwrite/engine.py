@@ -1,0 +1,205 @@
+"""The generation engine: token ids in, token ids and step statistics out.
+
+Each step verifies one draft tree (just the root for plain decoding) in one forward pass and commits the
+accepted path plus the model's bonus token. The engine knows nothing of text, files or terminals; the
+writer subscribes to the `Step`s it yields.
+
+State between steps: `S` (every token so far, prompt included) and a KV cache holding the context of
+`window.Window` minus its last token, the root of the next tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .budget import MAX_BUDGET, CostCurve, best_budget
+from .drafting import MAX_DEPTH, AcceptanceStats, DraftSource
+from .model import LeanModel
+from .ngram import NgramDrafter
+from .recycling import RecyclingDrafter
+from .sampling import Sampler
+from .tree import DraftTree, walk
+from .window import Window
+
+SOURCES = ("recycling", "ngram")
+PREFILL_CHUNK = 256
+TOPK = 8  # next-token candidates per node handed to the sources
+
+
+@dataclass
+class Step:
+    tokens: list[int]  # newly committed: accepted draft tokens, then the bonus token (cut at the target)
+    forward_tokens: int  # tokens in this step's forward pass (tree size incl. root)
+    drafted: int  # draft nodes verified
+    accepted_sources: list[int] = field(default_factory=list)  # source bitmask per accepted draft token
+    rebuilt: bool = False  # the context window was rebuilt before this step
+
+
+def make_sources(names: list[str], vocab: int, static_tree: bool = False) -> tuple[list[DraftSource], AcceptanceStats]:
+    stats = AcceptanceStats(len(SOURCES))
+    out: list[DraftSource] = []
+    for name in names:
+        if name == "recycling":
+            out.append(RecyclingDrafter(SOURCES.index(name), stats, vocab, static_tree=static_tree))
+        elif name == "ngram":
+            out.append(NgramDrafter(SOURCES.index(name), stats))
+        else:
+            raise ValueError(f"unknown draft source {name}")
+    return out, stats
+
+
+class Engine:
+    def __init__(
+        self,
+        model: LeanModel,
+        sampler: Sampler,
+        window: Window,
+        sources: list[DraftSource] = (),
+        stats: AcceptanceStats | None = None,
+        budget: int | None = None,  # draft nodes per step; None = chosen per step from `cost`
+        cost: CostCurve | None = None,
+        capacity: int = 0,  # tokens S will hold (prompt + target); the buffer is sized once
+        stop_ids: tuple[int, ...] = (),  # end the run when one of these is committed (--stop-at-eos)
+    ):
+        self.model = model
+        self.sampler = sampler
+        self.window = window
+        self.sources = list(sources)
+        self.stats = stats
+        self.budget = budget
+        self.cost = cost
+        self.stop_ids = set(stop_ids)
+        max_nodes = 1 + (min(budget, MAX_BUDGET) if budget is not None else MAX_BUDGET) if self.sources else 1
+        self.max_nodes = max_nodes
+        self.cache = model.new_cache(window.context + max_nodes)
+        self.S = torch.zeros(max(capacity, window.context + 1), dtype=torch.long)
+        self.n = 0
+        self.span = (0, 0)  # (s, b) of the context currently in the cache
+        self.tree = DraftTree()
+        self.forwards = 0
+        self.stopped = False
+
+    # -- context --------------------------------------------------------------------------------------
+
+    def _ensure_capacity(self, n: int) -> None:
+        if n > self.S.shape[0]:
+            grown = torch.zeros(max(n, 2 * self.S.shape[0]), dtype=torch.long)
+            grown[: self.n] = self.S[: self.n]
+            self.S = grown
+
+    def start(self, history: list[int]) -> None:
+        """Take the committed sequence (prompt, or prompt + output on resume) and fill the cache."""
+        self._ensure_capacity(len(history) + 1)
+        self.S[: len(history)] = torch.tensor(history, dtype=torch.long)
+        self.n = len(history)
+        self._rebuild(seed_sources=True)
+        hist = self.S[: self.n].numpy()
+        for src in self.sources:
+            src.after_commit(hist, self.n)
+
+    def _context_ids(self) -> torch.Tensor:
+        s, _ = self.window.span(self.n)
+        P = self.window.prompt
+        if s == P:
+            return self.S[: self.n]
+        return torch.cat([self.S[:P], self.S[s : self.n]])
+
+    def _rebuild(self, seed_sources: bool = False) -> None:
+        """Prefill the cache with the current context, all but its last token (the next root)."""
+        ctx = self._context_ids()
+        self.span = self.window.span(self.n)
+        self.cache.length = 0
+        body = ctx[:-1]
+        seed = seed_sources and any(isinstance(s, RecyclingDrafter) for s in self.sources)
+        for a in range(0, body.shape[0], PREFILL_CHUNK):
+            chunk = body[a : a + PREFILL_CHUNK].to(self.model.device)
+            pos = torch.arange(a, a + chunk.shape[0], device=self.model.device)
+            logits, _ = self.model.forward(chunk, pos, self.cache, logits_for=None if seed else slice(-1, None))
+            self.cache.length += chunk.shape[0]
+            if seed:
+                top = torch.topk(logits, TOPK, dim=-1).indices.cpu().numpy().astype(np.int32)
+                for src in self.sources:
+                    src.seed(chunk.cpu().numpy(), top)
+
+    # -- one step -------------------------------------------------------------------------------------
+
+    def step(self, remaining: int) -> Step:
+        rebuilt = False
+        if self.n >= self.span[1]:
+            self._rebuild()
+            rebuilt = True
+        s, b = self.span
+        root = int(self.S[self.n - 1])
+        tree = self.tree
+        tree.reset(root)
+        max_depth = min(b - 1 - self.n, remaining - 1, MAX_DEPTH)
+        budget = 0
+        if self.sources and max_depth > 0:
+            hist = self.S[: self.n].numpy()
+            limit = self.max_nodes - 1
+            for src in self.sources:
+                src.propose(tree, hist, max_depth, limit)
+            if self.budget is not None:
+                budget = self.budget
+            else:
+                budget = best_budget(tree.best_scores(max_depth), self.cost, limit)
+        flat = tree.select(budget, max_depth, device=self.model.device)
+        n_nodes = flat.tokens.shape[0]
+        base = self.cache.length  # position of the root: the context length minus one
+        positions = base + flat.depth
+        logits, _ = self.model.forward(flat.tokens, positions, self.cache, flat.anc if n_nodes > 1 else None)
+        self.forwards += 1
+        hist_t = self.S[: self.n]
+        processed = self.sampler.process(logits, hist_t.to(logits.device), flat.tokens, flat.depth, flat.anc)
+        choice = self.sampler.choose(processed, (self.n + flat.depth).tolist()).tolist()
+        path, bonus = walk(flat, choice)
+        if self.sources:
+            if n_nodes > 1:
+                self.stats.update(flat, path)
+            top = torch.topk(processed, TOPK, dim=-1).indices.cpu().numpy().astype(np.int32)
+            for src in self.sources:
+                src.after_verify(flat, top)
+        self.cache.compact(base, torch.tensor(path, device=self.model.device))
+        tok_list = flat.tokens.tolist()
+        new = [tok_list[i] for i in path[1:]] + [bonus]
+        new = new[:remaining]
+        for j, t in enumerate(new):
+            if t in self.stop_ids:
+                new = new[: j + 1]
+                self.stopped = True
+                break
+        self._ensure_capacity(self.n + len(new))
+        self.S[self.n : self.n + len(new)] = torch.tensor(new, dtype=torch.long)
+        self.n += len(new)
+        if self.sources:
+            hist = self.S[: self.n].numpy()
+            for src in self.sources:
+                src.after_commit(hist, len(new))
+        accepted_src = [flat.sources[i] for i in path[1 : len(new)]]
+        return Step(new, n_nodes, n_nodes - 1, accepted_src, rebuilt)
+
+    def run(self, n_new: int):
+        """Yield steps until `n_new` more tokens are committed (or a stop token is)."""
+        target = self.n + n_new
+        while self.n < target and not self.stopped:
+            yield self.step(target - self.n)
+
+    # -- drafter state (speed only: the text never depends on it) -----------------------------------------
+
+    def drafter_state(self) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for src in self.sources:
+            out.update(src.state())
+        return out
+
+    def load_drafter_state(self, state: dict[str, np.ndarray]) -> list[str]:
+        warnings = []
+        for src in self.sources:
+            try:
+                src.load_state(state)
+            except (ValueError, KeyError, TypeError) as e:
+                warnings.append(f"ignored the saved {src.name} state ({e}); drafting restarts cold, the text is unaffected")
+        return warnings

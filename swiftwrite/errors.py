@@ -1,0 +1,13 @@
+"""Errors a user can hit. The CLI prints their message as one sentence and exits; no traceback."""
+
+
+class UserError(Exception):
+    """Something the user can fix: a bad path, a corrupt file, a full disk. Exit status 1."""
+
+    exit_code = 1
+
+
+class UsageError(UserError):
+    """A malformed command line or configuration value. Exit status 2, like argument parsers."""
+
+    exit_code = 2

@@ -1,0 +1,332 @@
+"""The lean forward pass for the Llama family (llama, mistral, qwen2, qwen3).
+
+One entry point, `LeanModel.forward`, takes token ids, their absolute positions and a boolean mask over
+(cache + new tokens), writes the new keys/values into a preallocated `KVCache`, and returns logits and the
+last hidden states (before the final norm, which is what the multi-token heads read). Tree verification,
+prefill and single-token decoding all go through it.
+
+Weights are held as plain tensors, q/k/v and gate/up fused into one matrix each: on a 2-core CPU every
+extra small matmul is a visible share of a token's time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .errors import UserError
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None, or {"rope_type": "llama3"|"linear", ...}
+    max_positions: int
+    tie_embeddings: bool
+    attn_bias: bool  # qwen2: bias on q/k/v
+    qk_norm: bool  # qwen3: RMSNorm over each head of q and k before RoPE
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        arch = cfg.get("model_type", "")
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            rope_scaling=dict(scaling) if scaling else None,
+            # A sliding-window model attends to at most `sliding_window` tokens; capping the context there keeps
+            # every forward exact (the context rebuild of window.py takes over) without a banded mask.
+            max_positions=min(cfg.get("max_position_embeddings", 4096), cfg.get("sliding_window") or 1 << 62)
+            if cfg.get("sliding_window") and cfg.get("use_sliding_window", arch == "mistral") else cfg.get("max_position_embeddings", 4096),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attn_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RoPE
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    sc = cfg.rope_scaling
+    if not sc:
+        return inv
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        return inv / sc["factor"]
+    if kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, and the band between
+        # is interpolated linearly in 1/wavelength, so the model keeps local precision and gains range.
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - lo) / (hi - lo)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        out = torch.where(wavelen > old / lo, inv / factor, blended)
+        return torch.where(wavelen < old / hi, inv, out)
+    raise UserError(f"RoPE scaling '{kind}' is not supported by the lean forward; use a model without it.")
+
+
+def rope_tables(cfg: ModelConfig, n_positions: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [n_positions, head_dim] in the half-split layout that Hugging Face checkpoints use."""
+    pos = torch.arange(n_positions, dtype=torch.float64)
+    ang = torch.outer(pos, rope_inv_freq(cfg))
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(device, dtype), ang.sin().to(device, dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [heads, n, head_dim]; cos/sin: [n, head_dim]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T. For a few rows, computing (w @ x.T).T picks a BLAS kernel that reads the weight once for
+    all rows; F.linear's small-M path on this CPU class costs nearly n times a single row (bench/forward_cost.py
+    measured 176 us vs 118 us for 2 rows of a 3072x576 matrix, 429 vs 325 us for 16)."""
+    if x.shape[0] == 1:
+        y = (w @ x.repeat(2, 1).t())[:, :1].t()
+    else:
+        y = (w @ x.t()).t()
+    return y + b if b is not None else y
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [H, n, D] against k, v [KV, T, D] with a bool mask [n, T] (None: all visible). Returns [n, H*D].
+
+    The query heads that share a KV head are stacked into one matrix ([KV, group*n, D]) so each KV head is
+    read once, without copying K/V per query head. torch's SDPA falls back to a slower materialising path
+    whenever a mask is given on CPU; this is the same math in three batched ops.
+    """
+    H, n, D = q.shape
+    KV = k.shape[0]
+    g = H // KV
+    qg = q.reshape(KV, g * n, D)
+    scores = torch.bmm(qg, k.transpose(1, 2)).mul_(scale)
+    if mask is not None:
+        scores = scores.view(KV, g, n, -1).masked_fill_(~mask, float("-inf")).view(KV, g * n, -1)
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.bmm(probs, v)  # [KV, g*n, D]
+    return o.view(H, n, D).transpose(0, 1).reshape(n, H * D)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KV cache
+
+
+class KVCache:
+    """Keys and values for every layer, preallocated once: [layers, kv_heads, capacity, head_dim].
+
+    Slots are positions in this buffer, not token positions: after a context rebuild the same slot holds a
+    token at another absolute position. `length` counts committed slots; a forward writes after them.
+    """
+
+    def __init__(self, cfg: ModelConfig, capacity: int, device, dtype):
+        shape = (cfg.n_layers, cfg.n_kv_heads, capacity, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.capacity = capacity
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    @staticmethod
+    def bytes_needed(cfg: ModelConfig, capacity: int, dtype) -> int:
+        return 2 * cfg.n_layers * cfg.n_kv_heads * capacity * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        """Move the slots `start + keep[i]` to `start + i` (the accepted path of a tree) in all layers."""
+        n = keep.numel()
+        if n and not bool((keep == torch.arange(n, device=keep.device)).all()):
+            src = keep + start
+            self.k[:, :, start : start + n] = self.k[:, :, src]
+            self.v[:, :, start : start + n] = self.v[:, :, src]
+        self.length = start + n
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model
+
+
+class LeanModel:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device="cpu", dtype=torch.float32):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        get = lambda name: weights[name].to(self.device, dtype)  # noqa: E731
+        self.embed = get("model.embed_tokens.weight")
+        self.lm_head = self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights else get("lm_head.weight")
+        self.final_norm = get("model.norm.weight")
+        self.layers = []
+        for i in range(cfg.n_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            layer = {
+                "in_norm": get(p + "input_layernorm.weight"),
+                "post_norm": get(p + "post_attention_layernorm.weight"),
+                "wqkv": torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"]),
+                "wo": get(a + "o_proj.weight"),
+                "bo": get(a + "o_proj.bias") if a + "o_proj.bias" in weights else None,
+                "w_gate_up": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                "w_down": get(p + "mlp.down_proj.weight"),
+                "b_gate_up": torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])
+                if p + "mlp.gate_proj.bias" in weights else None,
+                "b_down": get(p + "mlp.down_proj.bias") if p + "mlp.down_proj.bias" in weights else None,
+                "bqkv": torch.cat([get(a + f"{x}_proj.bias") for x in "qkv"]) if cfg.attn_bias else None,
+            }
+            if cfg.qk_norm:
+                layer["q_norm"] = get(a + "q_norm.weight")
+                layer["k_norm"] = get(a + "k_norm.weight")
+            self.layers.append(layer)
+        self.cos, self.sin = rope_tables(cfg, cfg.max_positions, self.device, dtype)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.cfg, capacity, self.device, self.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        mask: torch.Tensor | None = None,
+        logits_for: torch.Tensor | slice | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `ids` [n] at absolute `positions` [n]; their K/V go to slots cache.length .. +n.
+
+        `mask` is None for causal attention, a bool [n, n] over the new tokens (each sees every cached slot),
+        or a bool [n, cache.length + n] over everything. `cache.length` is NOT advanced: the caller commits
+        (or compacts) what it keeps. Returns (logits [m, vocab] for the rows `logits_for` (all by default),
+        hidden [n, hidden] before the final norm).
+        """
+        cfg = self.cfg
+        n = ids.shape[0]
+        start = cache.length
+        end = start + n
+        if end > cache.capacity:
+            raise RuntimeError(f"KV cache overflow: {end} slots needed, {cache.capacity} allocated")
+        if int(positions.max()) >= cfg.max_positions:
+            raise RuntimeError(f"position {int(positions.max())} is past the model's {cfg.max_positions}")
+        H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        attn_mask = None
+        if mask is not None or n > 1:
+            if mask is None:
+                mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
+            if mask.shape[1] == n and start:
+                mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=self.device), mask], dim=1)
+            attn_mask = mask
+        cos, sin = self.cos[positions], self.sin[positions]
+        x = self.embed[ids]
+        q_size, kv_size = H * D, KV * D
+        for li, L in enumerate(self.layers):
+            h = rms_norm(x, L["in_norm"], cfg.rms_eps)
+            qkv = linear(h, L["wqkv"], L["bqkv"])
+            q = qkv[:, :q_size].view(n, H, D).transpose(0, 1)
+            k = qkv[:, q_size : q_size + kv_size].view(n, KV, D).transpose(0, 1)
+            v = qkv[:, q_size + kv_size :].view(n, KV, D).transpose(0, 1)
+            if cfg.qk_norm:
+                q = rms_norm(q, L["q_norm"], cfg.rms_eps)
+                k = rms_norm(k, L["k_norm"], cfg.rms_eps)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            cache.k[li, :, start:end] = k
+            cache.v[li, :, start:end] = v
+            o = attention(q, cache.k[li, :, :end], cache.v[li, :, :end], attn_mask, self.scale)
+            x = x + linear(o, L["wo"], L["bo"])
+            h = rms_norm(x, L["post_norm"], cfg.rms_eps)
+            gu = linear(h, L["w_gate_up"], L["b_gate_up"])
+            inter = cfg.intermediate_size
+            x = x + linear(F.silu(gu[:, :inter]) * gu[:, inter:], L["w_down"], L["b_down"])
+        hidden = x
+        rows = x if logits_for is None else x[logits_for]
+        logits = linear(rms_norm(rows, self.final_norm, cfg.rms_eps), self.lm_head)
+        return logits.float(), hidden
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def read_hf_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise UserError(f"{model_dir} has no config.json; point --model at a Hugging Face-format model directory.")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({e}); re-download or re-convert the model.") from None
+
+
+def load_safetensors_dir(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{model_dir} has no .safetensors weights; convert the checkpoint to safetensors first.")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            weights.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise UserError(f"{f} is corrupt or truncated ({e}); delete it and fetch the model again.") from None
+    return weights
+
+
+def load_lean(model_dir: Path, device="cpu", dtype=torch.float32) -> LeanModel:
+    cfg = ModelConfig.from_hf(read_hf_config(model_dir))
+    if cfg.arch not in SUPPORTED_ARCHS:
+        raise UserError(f"architecture '{cfg.arch}' is not in the lean forward's family {SUPPORTED_ARCHS}")
+    weights = load_safetensors_dir(model_dir)
+    try:
+        return LeanModel(cfg, weights, device, dtype)
+    except KeyError as e:
+        raise UserError(f"{model_dir} lacks the weight {e}; the checkpoint is incomplete or not {cfg.arch}.") from None

@@ -1,0 +1,398 @@
+"""The run directory: everything needed to continue an interrupted run, token for token.
+
+    config.yaml       resolved configuration             written once, at create
+    prompt.txt        the prompt as given                written once
+    meta.json         fingerprint, prompt ids, format    written once, LAST: its presence means "a run"
+    tokens.bin        generated ids, int32 little-endian appended as they come
+    output.txt        the decoded text, utf-8            appended as it comes
+    drafter.bin       opaque drafter state (optional)    replaced at checkpoints
+    state.json        the last checkpoint                replaced atomically at checkpoints
+    state.prev.json   the checkpoint before it           fallback if state.json is unreadable
+    lock              flock + holder pid                 held for the RunDir's lifetime
+
+tokens.bin and output.txt are append-only and may run ahead of the checkpoint (a kill between two
+checkpoints). state.json records their committed length and sha256, so open() can cut them back to the
+last checkpoint, or refuse when they are shorter or different: resuming from damaged ids would silently
+give a different document.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import sys
+import time
+from array import array
+from datetime import datetime, timezone
+from pathlib import Path
+
+import yaml
+
+from .errors import UserError
+
+FORMAT = 1  # meta.json "format"; bump when the layout changes, keep reading older ones
+CONFIG, PROMPT, META = "config.yaml", "prompt.txt", "meta.json"
+TOKENS, TEXT, DRAFTER = "tokens.bin", "output.txt", "drafter.bin"
+STATE, PREV, LOCK = "state.json", "state.prev.json", "lock"
+ALL_FILES = (CONFIG, PROMPT, META, TOKENS, TEXT, DRAFTER, STATE, PREV, LOCK)
+STATE_KEYS = {"n_tokens": int, "tokens_sha256": str, "text_bytes": int, "text_sha256": str,
+              "drafter_sha256": (str, type(None)), "stats": dict, "finished": bool, "checkpoints": int}
+
+
+class RunDir:
+    def __init__(self, path: Path, lock_fd: int):  # use create() or open()
+        self.path = path
+        self._lock_fd: int | None = lock_fd
+        self._tokens_fh = self._text_fh = None
+        self._failed: OSError | None = None  # a failed append leaves bytes the hashes do not cover
+        self._drafter: bytes | None = None
+        self.recovered: str | None = None  # what open() repaired, one sentence, for the user
+        self.warnings: list[str] = []  # problems that cost speed, never text
+        self.text_damaged = False  # output.txt must be rewritten with replace_text() before appending
+
+    # -----------------------------------------------------------------------------------------------------
+    # create / open
+
+    @classmethod
+    def create(cls, path, config: dict, prompt_text: str, prompt_ids: list[int], fingerprint: str) -> RunDir:
+        p = Path(path)
+        if p.exists() and (not p.is_dir() or any(p.iterdir())):
+            raise UserError(f"{p} already exists and is not an empty directory; choose a new run directory "
+                            f"(or continue an earlier run with `swiftwrite resume {p}`).")
+        # Serialize first, so a bad config fails before anything touches the disk.
+        files = {CONFIG: yaml.safe_dump(config, sort_keys=False).encode(), PROMPT: prompt_text.encode(),
+                 META: _json({"format": FORMAT, "fingerprint": fingerprint, "prompt_ids": list(prompt_ids),
+                              "created": _now()})}
+        made_dir = not p.exists()
+        self = None
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+            self = cls(p, _lock(p))
+            self.config, self.prompt_text = config, prompt_text
+            self.prompt_ids, self.fingerprint = list(prompt_ids), fingerprint
+            self.tokens, self.finished = [], False
+            self._tok_hash, self._text_hash, self._text_bytes = hashlib.sha256(), hashlib.sha256(), 0
+            self._state = self._new_state({}, None, False, count=0)
+            self._state_bytes = _json(self._state)
+            for name in (TOKENS, TEXT):
+                (p / name).write_bytes(b"")
+            for name in (CONFIG, PROMPT):
+                _atomic_write(p / name, files[name])
+            _atomic_write(p / STATE, self._state_bytes)
+            _atomic_write(p / META, files[META])
+            self._open_appenders()
+        except BaseException as e:
+            # Nothing left behind that looks valid: meta.json is last, and we remove the rest too. Only if we
+            # got the lock, though: otherwise the files belong to whoever holds it.
+            if self is not None:
+                self.close()
+                for name in ALL_FILES:
+                    for f in (p / name, p / (name + ".tmp")):
+                        f.unlink(missing_ok=True)
+            if made_dir:
+                try:
+                    p.rmdir()
+                except OSError:
+                    pass
+            if isinstance(e, OSError):
+                raise UserError(f"could not create the run directory {p} ({_why(e)}); "
+                                "check the path and free space, then start again.") from e
+            raise
+        return self
+
+    @classmethod
+    def open(cls, path) -> RunDir:
+        p = Path(path)
+        if not p.exists():
+            raise UserError(f"run directory {p} does not exist; check the path, or start a new run.")
+        if not p.is_dir():
+            raise UserError(f"{p} is a file, not a run directory; pass the directory a run was written to.")
+        if not (p / META).is_file():  # checked before locking, so we never drop a lock file in a stranger's dir
+            raise UserError(f"{p} is not a swiftwrite run directory (it has no {META}); "
+                            "pass the directory a run was written to.")
+        try:
+            self = cls(p, _lock(p))
+        except OSError as e:
+            raise UserError(f"could not lock the run directory {p} ({_why(e)}); check its permissions.") from e
+        try:
+            self._load()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _load(self) -> None:
+        p = self.path
+        for name in ALL_FILES:  # temp files of a write that was killed before its rename
+            (p / (name + ".tmp")).unlink(missing_ok=True)
+        try:
+            meta = json.loads((p / META).read_text())
+            if meta.get("format", 1) > FORMAT:
+                raise UserError(f"{p} was written by a newer swiftwrite (format {meta['format']}); "
+                                "upgrade swiftwrite to resume it.")
+            self.fingerprint, self.prompt_ids = str(meta["fingerprint"]), [int(i) for i in meta["prompt_ids"]]
+            self.config = yaml.safe_load((p / CONFIG).read_text())
+            if not isinstance(self.config, dict):
+                raise ValueError(f"{CONFIG} is not a mapping")
+            self.prompt_text = (p / PROMPT).read_text(encoding="utf-8")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError) as e:
+            raise UserError(f"the run metadata in {p} is unreadable ({e}); "
+                            "the run cannot be resumed, start a new one.") from e
+        notes = []
+        state, raw, why = _read_state(p / STATE)
+        if state is None:
+            state, raw, why_prev = _read_state(p / PREV)
+            if state is None:
+                raise UserError(f"the checkpoint in {p} is unreadable ({STATE}: {why}; {PREV}: {why_prev}); "
+                                "the run cannot be resumed, start a new one.")
+            notes.append(f"{STATE} was unreadable ({why}), so the run continues from {PREV}")
+        self._state, self._state_bytes, self.finished = state, raw, state["finished"]
+
+        # Tokens: the document depends on every id, so anything but "longer than recorded" is fatal.
+        n_bytes = state["n_tokens"] * 4
+        try:
+            data = (p / TOKENS).read_bytes()
+        except OSError as e:
+            data, why = None, _why(e)
+        else:
+            why = (f"{len(data) // 4} tokens on disk, {state['n_tokens']} recorded" if len(data) < n_bytes
+                   else None if _sha(data[:n_bytes]) == state["tokens_sha256"] else "checksum mismatch")
+        if why:
+            raise UserError(f"{p / TOKENS} is damaged ({why}); the run cannot be resumed exactly, "
+                            "start it again with the same prompt and settings.")
+        cut = len(data) > n_bytes
+        if cut:
+            os.truncate(p / TOKENS, n_bytes)
+        self._tok_hash = hashlib.sha256(data[:n_bytes])
+        self.tokens = _unpack(data[:n_bytes])
+
+        # Text: derived from the tokens, so damage here is repairable by the caller (replace_text).
+        self._text_bytes = state["text_bytes"]
+        try:
+            text = (p / TEXT).read_bytes()
+        except OSError:
+            text = b""
+        if len(text) < self._text_bytes or _sha(text[: self._text_bytes]) != state["text_sha256"]:
+            self.text_damaged = True
+            self.warnings.append(f"{TEXT} does not match the checkpoint; it must be rewritten from the tokens.")
+        else:
+            if len(text) > self._text_bytes:
+                os.truncate(p / TEXT, self._text_bytes)
+                cut = True
+            self._text_hash = hashlib.sha256(text[: self._text_bytes])
+        if cut:
+            dropped = len(data) // 4 - len(self.tokens)
+            notes.append(f"recovered from the checkpoint at {len(self.tokens)} tokens"
+                         + (f" (dropped {dropped} tokens written after it)" if dropped else ""))
+        self.recovered = "; ".join(notes) + "." if notes else None
+
+        # Drafter: only speed depends on it, so a bad one is a warning and a cold start.
+        want = state["drafter_sha256"]
+        if want:
+            try:
+                blob = (p / DRAFTER).read_bytes()
+                self._drafter = blob if _sha(blob) == want else None
+            except OSError:
+                pass
+            if self._drafter is None:
+                self.warnings.append(f"{DRAFTER} is missing or damaged; the drafter starts cold "
+                                     "(the text is unaffected, only the speed).")
+        self._open_appenders()
+
+    def _open_appenders(self) -> None:
+        self._tokens_fh = open(self.path / TOKENS, "ab")
+        if not self.text_damaged:
+            self._text_fh = open(self.path / TEXT, "ab")
+
+    # -----------------------------------------------------------------------------------------------------
+    # writing
+
+    def append(self, new_ids: list[int], new_text: str) -> None:
+        if self._text_fh is None:
+            raise RuntimeError("output.txt is damaged: call replace_text() with the decoded tokens first")
+        raw, enc = _pack(new_ids), new_text.encode("utf-8")
+        try:
+            if self._failed:
+                raise self._failed
+            self._tokens_fh.write(raw)
+            self._tokens_fh.flush()  # flushed, not fsynced: a kill loses nothing, a power cut is checkpoint()'s job
+            self._text_fh.write(enc)
+            self._text_fh.flush()
+        except OSError as e:
+            self._failed = e
+            raise self._write_error(e) from e
+        self._tok_hash.update(raw)  # incremental, so a checkpoint never re-reads the files
+        self._text_hash.update(enc)
+        self._text_bytes += len(enc)
+        self.tokens.extend(map(int, new_ids))  # plain ints, even if given numpy or torch scalars
+
+    def replace_text(self, text: str) -> None:
+        """Rewrite output.txt (e.g. decoded from self.tokens after open() set text_damaged)."""
+        enc = text.encode("utf-8")
+        if self._text_fh:
+            self._text_fh.close()
+        try:
+            _atomic_write(self.path / TEXT, enc)
+        except OSError as e:
+            raise self._write_error(e) from e
+        self._text_hash, self._text_bytes, self.text_damaged = hashlib.sha256(enc), len(enc), False
+        self._text_fh = open(self.path / TEXT, "ab")
+
+    def checkpoint(self, stats: dict, drafter_state: bytes | None = None, finished: bool = False) -> None:
+        if self._text_fh is None:
+            raise RuntimeError("output.txt is damaged: call replace_text() with the decoded tokens first")
+        dsha = _sha(drafter_state) if drafter_state is not None else None
+        state = self._new_state(stats, dsha, finished, count=self._state["checkpoints"] + 1)
+        data = _json(state)  # before any write: stats that are not JSON fail here, with nothing touched
+        try:
+            if self._failed:
+                raise self._failed
+            for fh in (self._tokens_fh, self._text_fh):
+                fh.flush()
+                os.fsync(fh.fileno())
+            if drafter_state is not None:
+                _atomic_write(self.path / DRAFTER, bytes(drafter_state))
+            _atomic_write(self.path / PREV, self._state_bytes)
+            pause = float(os.environ.get("SWIFTWRITE_SLOW_CHECKPOINT") or 0)  # tests: widen the kill window
+            _atomic_write(self.path / STATE, data, pause)
+        except OSError as e:
+            raise self._write_error(e) from e
+        self._state, self._state_bytes, self.finished = json.loads(data), data, finished
+        self._drafter = bytes(drafter_state) if drafter_state is not None else None
+        if drafter_state is None:  # not recorded any more; don't leave a file that looks current
+            (self.path / DRAFTER).unlink(missing_ok=True)
+
+    def _new_state(self, stats: dict, drafter_sha: str | None, finished: bool, count: int) -> dict:
+        return {"n_tokens": len(self.tokens), "tokens_sha256": self._tok_hash.copy().hexdigest(),
+                "text_bytes": self._text_bytes, "text_sha256": self._text_hash.copy().hexdigest(),
+                "drafter_sha256": drafter_sha, "stats": stats, "finished": finished,
+                "checkpoints": count, "time": _now()}
+
+    def _write_error(self, e: OSError) -> UserError:
+        return UserError(f"could not write the checkpoint in {self.path} ({_why(e)}); free space and run "
+                         f"`swiftwrite resume {self.path}`: the last checkpoint at "
+                         f"{self._state['n_tokens']} tokens is intact.")
+
+    # -----------------------------------------------------------------------------------------------------
+    # reading, closing
+
+    def drafter_state(self) -> bytes | None:
+        return self._drafter
+
+    @property
+    def stats(self) -> dict:
+        return dict(self._state["stats"])
+
+    def close(self) -> None:
+        for fh in (self._tokens_fh, self._text_fh):
+            try:
+                if fh:
+                    fh.close()
+            except OSError:  # a buffer that could not be flushed (disk full); the checkpoint is what counts
+                pass
+        self._tokens_fh = self._text_fh = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the fd releases the flock
+            self._lock_fd = None
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _lock(p: Path) -> int:
+    """flock, not a pid file: the kernel drops it when the holder dies, so a stale lock is simply taken."""
+    fd = os.open(p / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise UserError(f"run directory {p} is in use by process {holder}; "
+                        "wait for it to finish or stop it first.") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _atomic_write(path: Path, data: bytes, pause: float = 0.0) -> None:
+    """Readers see the old file or the new one, never a torn one, even after a power cut: the data is on disk
+    before the rename, and the rename is on disk before we return. Fixed temp name: the lock makes us the only
+    writer, and open() sweeps leftovers."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if pause:
+            time.sleep(pause)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _read_state(path: Path) -> tuple[dict | None, bytes, str]:
+    """(state, its raw bytes, "") or (None, b"", why it is unusable)."""
+    try:
+        raw = path.read_bytes()
+        state = json.loads(raw)
+    except FileNotFoundError:
+        return None, b"", "missing"
+    except (OSError, ValueError) as e:
+        return None, b"", f"not JSON: {e}"
+    if not isinstance(state, dict):
+        return None, b"", "not a JSON object"
+    for key, kind in STATE_KEYS.items():
+        if not isinstance(state.get(key), kind) or (kind is int and state[key] < 0):
+            return None, b"", f"bad or missing {key!r}"
+    return state, raw, ""
+
+
+def _pack(ids: list[int]) -> bytes:
+    a = array("i", ids)  # OverflowError for ids outside int32, rather than a silently wrong file
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tobytes()
+
+
+def _unpack(data: bytes) -> list[int]:
+    a = array("i")
+    a.frombytes(data)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tolist()
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _json(obj) -> bytes:
+    return json.dumps(obj, indent=1).encode() + b"\n"
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _why(e: OSError) -> str:
+    return e.strerror or errno.errorcode.get(e.errno or 0, "") or str(e)
+
+
+assert array("i").itemsize == 4, "tokens.bin is int32; this platform's C int is not"

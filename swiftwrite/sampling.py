@@ -1,0 +1,124 @@
+"""Logits processing and exact, position-seeded sampling.
+
+Every token choice, in plain decoding and for every node of a draft tree, goes through `Sampler.choose`,
+so a speculative run applies exactly the same rule as plain decoding at each position.
+
+Sampling is made deterministic per *position*: the noise for absolute position p (index of the token in
+prompt + output) comes from a generator seeded with (seed, p), and the choice is
+
+    argmax(processed_logits / T + G_p),   G_p ~ Gumbel(0, 1) per vocabulary entry,
+
+which is an exact draw from softmax(processed_logits / T) (the Gumbel-max trick). The choice at a position
+then depends only on the logits there, never on how many draws happened before, so a speculative step can
+verify sampled tokens by the same walk as greedy ones, and a resumed run needs no RNG state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off; keep tokens with p >= min_p * p_max
+    penalty: float = 1.0  # theta; 1 = off
+    window: int = 1024  # penalty window W in tokens (prompt included)
+    suppress: tuple[int, ...] = ()  # token ids never chosen (end-of-text until the target is reached)
+    seed: int = 0
+
+
+class Sampler:
+    def __init__(self, s: SamplerSettings, vocab: int, device="cpu"):
+        self.s = s
+        self.vocab = vocab
+        self.device = device
+        self._noise: dict[int, torch.Tensor] = {}
+        self._suppress = torch.tensor(s.suppress, dtype=torch.long, device=device) if s.suppress else None
+
+    @property
+    def greedy(self) -> bool:
+        return self.s.temperature <= 0
+
+    # -- the contextual penalty ------------------------------------------------------------------------
+
+    def presence(self, history: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
+        """Which vocabulary ids each node's penalty window contains: bool [n, vocab].
+
+        history: the committed sequence [N] (its last entry is the tree's root, depth 0). A node at depth d
+        continues history + its ancestors at depths 1..d, so its window is the last W tokens of that:
+        history[N-W+d:] plus those ancestors. Only a handful of distinct depths exist, so the history part is
+        one bincount plus a small correction per depth; the ancestor part is one scatter.
+        """
+        W, N, V = self.s.window, history.shape[0], self.vocab
+        max_d = int(depth.max())
+        lo = max(0, N - W)
+        counts = torch.bincount(history[lo:], minlength=V)
+        rows = [counts > 0]
+        for d in range(1, max_d + 1):
+            cut = N - W + d  # the first `cut` history tokens fall out of the window of a depth-d node
+            if cut > lo:
+                counts = counts.clone()
+                counts[history[cut - 1]] -= 1
+            rows.append(counts > 0)
+        pres = torch.stack(rows)[depth]
+        if max_d > 0 and W > 0:
+            # ancestors (depth >= 1) of each node, itself included, within the last W tokens
+            inside = anc & (depth.unsqueeze(0) >= 1) & (depth.unsqueeze(1) - depth.unsqueeze(0) < W)
+            ii, jj = inside.nonzero(as_tuple=True)
+            pres[ii, tokens[jj]] = True
+        return pres
+
+    def process(self, logits: torch.Tensor, history: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
+        """Penalty, suppression, temperature and filters, per node. Returns float logits [n, vocab] in place."""
+        s = self.s
+        if s.penalty != 1.0 and s.window > 0:
+            pres = self.presence(history, tokens, depth, anc)
+            # theta > 1 pushes seen tokens down on both sides of zero: divide positive logits, multiply negative
+            penalised = torch.where(logits > 0, logits / s.penalty, logits * s.penalty)
+            logits = torch.where(pres, penalised, logits)
+        if self._suppress is not None:
+            logits[:, self._suppress] = float("-inf")
+        if self.greedy:
+            return logits
+        logits = logits / s.temperature
+        if s.top_k > 0 and s.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, s.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if s.top_p < 1.0:
+            srt, idx = torch.sort(logits, dim=-1, descending=True)
+            probs = torch.softmax(srt, dim=-1)
+            drop = (probs.cumsum(-1) - probs) > s.top_p  # mass before this token already exceeds top_p
+            logits = logits.scatter(-1, idx, srt.masked_fill(drop, float("-inf")))
+        if s.min_p > 0.0:
+            probs = torch.softmax(logits, dim=-1)
+            logits = logits.masked_fill(probs < s.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+        return logits
+
+    # -- the choice -------------------------------------------------------------------------------------
+
+    def noise(self, position: int) -> torch.Tensor:
+        g = self._noise.get(position)
+        if g is None:
+            gen = torch.Generator().manual_seed(((self.s.seed & 0xFFFFFFFF) << 32) | (position & 0xFFFFFFFF))
+            u = torch.rand(self.vocab, generator=gen, dtype=torch.float64).clamp_(1e-300, 1.0 - 1e-16)
+            g = (-torch.log(-torch.log(u))).to(torch.float32).to(self.device)
+            if len(self._noise) > 256:
+                self._noise.clear()
+            self._noise[position] = g
+        return g
+
+    def choose(self, processed: torch.Tensor, positions: list[int] | torch.Tensor) -> torch.Tensor:
+        """Token per row: argmax (greedy) or argmax(logits + G_position) (sampling). `positions` are the
+        absolute indices of the tokens being chosen."""
+        if self.greedy:
+            return processed.argmax(-1)
+        pos = positions.tolist() if isinstance(positions, torch.Tensor) else positions
+        uniq = sorted(set(pos))
+        table = torch.stack([self.noise(p) for p in uniq])
+        rows = torch.tensor([uniq.index(p) for p in pos], device=processed.device)
+        return (processed + table[rows]).argmax(-1)

