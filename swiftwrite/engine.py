@@ -27,6 +27,8 @@ from .window import Window
 SOURCES = ("recycling", "ngram")
 PREFILL_CHUNK = 256
 TOPK = 8  # next-token candidates per node handed to the sources
+COST_BUCKET = 1024  # context growth (tokens) after which the cost curve is measured again (attention grows)
+EXPLORE_EVERY = 16  # steps of budget 0 after which a 2-node tree is verified anyway (keeps the rates fresh)
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Engine:
         cost: CostCurve | None = None,
         capacity: int = 0,  # tokens S will hold (prompt + target); the buffer is sized once
         stop_ids: tuple[int, ...] = (),  # end the run when one of these is committed (--stop-at-eos)
+        cost_at=None,  # callable(cache) -> CostCurve for the cache's context; refreshed as the context grows
     ):
         self.model = model
         self.sampler = sampler
@@ -71,6 +74,8 @@ class Engine:
         self.stats = stats
         self.budget = budget
         self.cost = cost
+        self.cost_at = cost_at
+        self._cost_bucket = -1
         self.stop_ids = set(stop_ids)
         max_nodes = 1 + (min(budget, MAX_BUDGET) if budget is not None else MAX_BUDGET) if self.sources else 1
         self.max_nodes = max_nodes
@@ -81,6 +86,7 @@ class Engine:
         self.tree = DraftTree()
         self.forwards = 0
         self.stopped = False
+        self._idle = 0  # consecutive steps with an automatic budget of 0
 
     # -- context --------------------------------------------------------------------------------------
 
@@ -145,7 +151,15 @@ class Engine:
             if self.budget is not None:
                 budget = self.budget
             else:
+                bucket = self.cache.length // COST_BUCKET
+                if self.cost_at is not None and bucket != self._cost_bucket:
+                    self.cost, self._cost_bucket = self.cost_at(self.cache), bucket
                 budget = best_budget(tree.best_scores(max_depth), self.cost, limit)
+                # A budget of 0 verifies nothing, so the acceptance rates would never be measured again and a
+                # text that turns repetitive later would go unnoticed: verify a small tree now and then.
+                self._idle = self._idle + 1 if budget == 0 else 0
+                if self._idle >= EXPLORE_EVERY:
+                    budget, self._idle = 2, 0
         flat = tree.select(budget, max_depth, device=self.model.device)
         n_nodes = flat.tokens.shape[0]
         base = self.cache.length  # position of the root: the context length minus one

@@ -1,0 +1,66 @@
+"""Cost of one forward pass of the default model over n new tokens, and plain greedy decoding speed of the
+lean forward against transformers `generate`, in one run.
+
+    python bench/forward_cost.py --out bench/results/forward_cost.json
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from swiftwrite import budget
+from swiftwrite.bench import machine
+from swiftwrite.model import load_lean
+from swiftwrite.store import resolve
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--contexts", default="512,4096")
+ap.add_argument("--tokens", type=int, default=200, help="new tokens for the decoding comparison")
+ap.add_argument("--reps", type=int, default=5)
+ap.add_argument("--out", type=Path, default=None)
+a = ap.parse_args()
+
+ref = resolve("smollm2-135m")
+model = load_lean(ref.path)
+report = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": ref.name, "cost_ms": {}}
+for ctx in [int(c) for c in a.contexts.split(",")]:
+    cache = model.new_cache(ctx + 64)
+    ids = torch.randint(100, 40000, (ctx,), generator=torch.Generator().manual_seed(0))
+    for s in range(0, ctx, 256):
+        model.forward(ids[s : s + 256], torch.arange(s, min(s + 256, ctx)), cache, logits_for=slice(-1, None))
+        cache.length = min(s + 256, ctx)
+    curve = budget.measure(model, cache, reps=a.reps)
+    report["cost_ms"][str(ctx)] = curve.to_dict()["ms"]
+    report["sizes"] = curve.to_dict()["sizes"]
+    print(f"context {ctx}: " + "  ".join(f"n={n}: {ms:.1f} ms" for n, ms in zip(report["sizes"], report["cost_ms"][str(ctx)])))
+
+# Plain greedy decoding, same prompt, both implementations, interleaved twice.
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+hf = AutoModelForCausalLM.from_pretrained(str(ref.path), dtype=torch.float32).eval()
+prompt = torch.randint(100, 40000, (64,), generator=torch.Generator().manual_seed(1))
+rates = {"lean": [], "generate": []}
+for _ in range(2):
+    cache = model.new_cache(64 + a.tokens + 1)
+    t = time.perf_counter()
+    logits, _ = model.forward(prompt, torch.arange(64), cache, logits_for=slice(-1, None))
+    cache.length = 64
+    tok = logits[-1].argmax().view(1)
+    for i in range(a.tokens - 1):
+        logits, _ = model.forward(tok, torch.tensor([cache.length]), cache)
+        cache.length += 1
+        tok = logits[-1].argmax().view(1)
+    rates["lean"].append(a.tokens / (time.perf_counter() - t))
+    t = time.perf_counter()
+    with torch.inference_mode():
+        hf.generate(prompt[None], attention_mask=torch.ones(1, 64, dtype=torch.long), max_new_tokens=a.tokens,
+                    min_new_tokens=a.tokens, do_sample=False, temperature=None, top_p=None, top_k=None)
+    rates["generate"].append(a.tokens / (time.perf_counter() - t))
+report["greedy_tokens_per_second"] = {k: round(max(v), 1) for k, v in rates.items()}
+print("greedy decoding, tokens/s (best of 2, prefill included):", report["greedy_tokens_per_second"])
+if a.out:
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(report, indent=1))

@@ -1,0 +1,29 @@
+"""Speculative decoding benchmark on the default model: every method, interleaved, side by side.
+
+    python bench/speculative.py --tokens 2000 --out bench/results/2026-11-29-cpu
+
+Writes bench.json and bench.md (the README table) into --out. See swiftwrite/bench.py for what is measured.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.markdown import Markdown
+
+from swiftwrite import bench
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--tokens", type=int, default=2000)
+ap.add_argument("--repeats", type=int, default=1)
+ap.add_argument("--methods", default=",".join(bench.DEFAULT))
+ap.add_argument("--settings", default="greedy,sample")
+ap.add_argument("--prompts", default="lighthouse.txt")
+ap.add_argument("--out", type=Path, default=None)
+a = ap.parse_args()
+report = bench.run(a.methods.split(","), a.settings.split(","), [ROOT / "prompts" / p for p in a.prompts.split(",")],
+                   a.tokens, a.repeats, a.out, log=lambda m: print(m, file=sys.stderr, flush=True))
+Console().print(Markdown(bench.markdown(report)))

@@ -1,0 +1,204 @@
+"""`swiftwrite bench`: every decoding method on the same prompts and settings, interleaved, side by side.
+
+Each repeat runs every method once, in turn, so machine drift hits all of them alike; a method's speed is
+its median over repeats. Speedups are ratios measured in the same process against two baselines:
+swiftwrite's own plain decoding (`none`) and transformers `generate`. Every swiftwrite method is also
+checked against `none` token for token (the first diverging position; None expected).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import Config
+from .errors import UsageError, UserError
+from .metrics import distinct, first_divergence, median, speedup
+
+# name -> (draft, budget, static tree); "hf" methods run transformers generate
+METHODS = {
+    "hf": None,
+    "hf-lookup": None,
+    "none": ("none", "auto", False),
+    "recycling": ("recycling", "auto", False),
+    "recycling-static": ("recycling", "auto", True),
+    "ngram": ("ngram", "auto", False),
+    "all": ("all", "auto", False),
+    "all-b2": ("all", "2", False),
+    "all-b4": ("all", "4", False),
+    "all-b8": ("all", "8", False),
+    "all-b16": ("all", "16", False),
+}
+QUICK = ["hf", "none", "all"]
+DEFAULT = ["hf", "hf-lookup", "none", "recycling", "ngram", "all", "all-b4", "all-b16"]
+SETTINGS = {
+    "greedy": dict(temperature=0.0, min_p=0.0, penalty=1.2),
+    "sample": dict(temperature=0.7, min_p=0.1, penalty=1.2),
+    "greedy-nopenalty": dict(temperature=0.0, min_p=0.0, penalty=1.0),
+}
+
+
+@dataclass
+class Result:
+    method: str
+    setting: str
+    prompt: str
+    seconds: list
+    tokens: list  # ids of the last repeat
+    forwards: int = 0
+    per_source: dict | None = None
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def validate(methods: list[str], settings: list[str], repeats: int, tokens: int, out: Path | None) -> None:
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise UsageError(f"unknown bench method(s) {', '.join(bad)}; choose from {', '.join(METHODS)}.")
+    bad = [s for s in settings if s not in SETTINGS]
+    if bad:
+        raise UsageError(f"unknown setting(s) {', '.join(bad)}; choose from {', '.join(SETTINGS)}.")
+    if repeats < 1:
+        raise UsageError(f"repeats must be at least 1 (got {repeats}).")
+    if tokens < 1:
+        raise UsageError(f"tokens must be at least 1 (got {tokens}).")
+    if out is not None:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            probe = out / ".write-test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise UserError(f"bench output directory {out} is not writable ({e.strerror}).") from None
+
+
+def run(methods: list[str], settings: list[str], prompts: list[Path], tokens: int, repeats: int, out: Path | None,
+        model: str = "smollm2-135m", log=print) -> dict:
+    from . import writer
+
+    validate(methods, settings, repeats, tokens, out)
+    display = writer.Display("quiet")
+    lm = writer.load(Config(model=model), display)
+    hf = None
+    if any(m.startswith("hf") for m in methods):
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(lm.ref.path), dtype=torch.float32).eval()
+    prompt_ids = {}
+    for p in prompts:
+        brief = writer.read_prompt(str(p))
+        ids = writer.prompt_ids(lm.tok, writer.apply_template(brief, "novel" if "report" not in p.name else "report"), False)
+        if len(ids) + tokens > lm.model.cfg.max_positions:
+            raise UsageError(f"{p} ({len(ids)} tokens) plus {tokens} new tokens does not fit the model's "
+                             f"{lm.model.cfg.max_positions} positions; use fewer --tokens.")
+        prompt_ids[p.name] = ids
+    results: dict[tuple, Result] = {}
+    for rep in range(repeats):
+        for setting in settings:
+            for pname, ids in prompt_ids.items():
+                for method in methods:
+                    r = results.setdefault((method, setting, pname), Result(method, setting, pname, [], []))
+                    secs, toks, fwd, per = _one(method, SETTINGS[setting], ids, tokens, lm, hf, display)
+                    r.seconds.append(secs)
+                    r.tokens, r.forwards, r.per_source = toks, fwd, per
+                    log(f"repeat {rep + 1}/{repeats} {setting:>16} {pname:>14} {method:>16}: {tokens / secs:6.1f} tok/s")
+    report = _report(results, methods, settings, prompt_ids, tokens, repeats, lm)
+    if out is not None:
+        (out / "bench.json").write_text(json.dumps(report, indent=1))
+        (out / "bench.md").write_text(markdown(report))
+    return report
+
+
+def _one(method, setting, ids, n, lm, hf, display):
+    from . import writer
+
+    if method.startswith("hf"):
+        kw = dict(max_new_tokens=n, min_new_tokens=n, repetition_penalty=setting["penalty"], pad_token_id=lm.tok.eos_token_id)
+        if setting["temperature"] > 0:
+            kw.update(do_sample=True, temperature=setting["temperature"], min_p=setting["min_p"] or None, top_k=None, top_p=None)
+            torch.manual_seed(0)
+        else:
+            kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if method == "hf-lookup":
+            kw["prompt_lookup_num_tokens"] = 10
+        x = torch.tensor([ids])
+        t = time.perf_counter()
+        with torch.inference_mode():
+            y = hf.generate(x, attention_mask=torch.ones_like(x), **kw)
+        secs = time.perf_counter() - t
+        return secs, y[0, len(ids):].tolist(), 0, None
+    draft, budget, static = METHODS[method]
+    cfg = Config(draft=draft, budget=budget, static_tree=static, tokens=n, **setting).validate()
+    engine = writer.build_engine(cfg, lm, len(ids), len(ids) + n, display)
+    engine.start(ids)
+    writer.fit_budget(engine, lm, cfg, display)
+    per = {s.name: 0 for s in engine.sources}
+    toks = []
+    t = time.perf_counter()
+    for step in engine.run(n):
+        toks += step.tokens
+        for mask in step.accepted_sources:
+            for s in engine.sources:
+                per[s.name] += mask >> s.id & 1
+    secs = time.perf_counter() - t
+    return secs, toks, engine.forwards, per
+
+
+def _report(results, methods, settings, prompt_ids, tokens, repeats, lm) -> dict:
+    rows = []
+    for (method, setting, pname), r in results.items():
+        rate = tokens / median(r.seconds)
+        base = results.get(("none", setting, pname))
+        hf = results.get(("hf", setting, pname))
+        rows.append({
+            "method": method, "setting": setting, "prompt": pname,
+            "tokens_per_second": round(rate, 2),
+            "seconds": [round(s, 2) for s in r.seconds],
+            "speedup_vs_none": speedup(rate, tokens / median(base.seconds)) if base else None,
+            "speedup_vs_generate": speedup(rate, tokens / median(hf.seconds)) if hf else None,
+            "mean_tokens_per_forward": round(tokens / r.forwards, 3) if r.forwards else None,
+            "accepted_per_forward": {k: round(v / r.forwards, 3) for k, v in r.per_source.items()} if r.per_source else None,
+            "first_divergence_vs_none": (first_divergence(r.tokens, base.tokens) if base and not method.startswith("hf") else "n/a"),
+            **distinct(r.tokens),
+        })
+    return {
+        "date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": lm.ref.name, "fingerprint": lm.ref.fingerprint,
+        "tokens": tokens, "repeats": repeats, "prompts": {k: len(v) for k, v in prompt_ids.items()},
+        "settings": {s: SETTINGS[s] for s in settings}, "penalty_window": Config().penalty_window,
+        "note": "hf methods: transformers generate, repetition_penalty over the whole sequence (swiftwrite: last 1024 tokens); "
+                "their text differs, so no divergence check.",
+        "rows": rows,
+    }
+
+
+def markdown(report: dict) -> str:
+    head = ("| setting | prompt | method | tok/s | × none | × generate | tok/forward | accepted/forward | D-1 | D-4 | first diff |\n"
+            "|---|---|---|---:|---:|---:|---:|---|---:|---:|---|\n")
+    lines = []
+    for r in report["rows"]:
+        acc = ", ".join(f"{k} {v}" for k, v in (r["accepted_per_forward"] or {}).items()) or "-"
+        lines.append(f"| {r['setting']} | {r['prompt']} | {r['method']} | {r['tokens_per_second']} | {r['speedup_vs_none'] or '-'} | "
+                     f"{r['speedup_vs_generate'] or '-'} | {r['mean_tokens_per_forward'] or '-'} | {acc} | {r['distinct_1']} | "
+                     f"{r['distinct_4']} | {r['first_divergence_vs_none']} |")
+    m = report["machine"]
+    meta = (f"{report['date']}, {m['cpu']} ({m['cores']} cores, {m['torch_threads']} torch threads), torch {m['torch']}, "
+            f"model {report['model']}, {report['tokens']} new tokens, {report['repeats']} repeat(s), penalty window "
+            f"{report['penalty_window']}.\n\n")
+    return meta + head + "\n".join(lines) + "\n"
