@@ -9,6 +9,7 @@ rates start from an optimistic prior (so new sources get tried) and are counted 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from .tree import DraftTree, Flat
 
@@ -66,6 +67,10 @@ class DraftSource:
 
     def after_verify(self, flat: Flat, topk: np.ndarray) -> None:
         """Called after each verification forward with each node's top-k next tokens [n, k]."""
+
+    def after_accept(self, hidden: torch.Tensor) -> None:
+        """Called after each verification with the hidden state (before the final norm) of the last accepted
+        node: the position whose output is the bonus token, i.e. the next tree's root."""
 
     def after_commit(self, history: np.ndarray, n_new: int) -> None:
         """Called after `n_new` tokens were appended to `history` (prompt + output so far)."""

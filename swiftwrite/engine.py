@@ -24,7 +24,7 @@ from .sampling import Sampler
 from .tree import DraftTree, walk
 from .window import Window
 
-SOURCES = ("recycling", "ngram")
+SOURCES = ("recycling", "ngram", "heads")
 PREFILL_CHUNK = 256
 TOPK = 8  # next-token candidates per node handed to the sources
 COST_BUCKET = 1024  # context growth (tokens) after which the cost curve is measured again (attention grows)
@@ -40,11 +40,16 @@ class Step:
     rebuilt: bool = False  # the context window was rebuilt before this step
 
 
-def make_sources(names: list[str], vocab: int, static_tree: bool = False) -> tuple[list[DraftSource], AcceptanceStats]:
+def make_sources(names: list[str], vocab: int, static_tree: bool = False, heads=None) -> tuple[list[DraftSource], AcceptanceStats]:
+    """`heads`: a ready DraftSource factory for "heads", callable(source_id, stats) (see heads.py)."""
     stats = AcceptanceStats(len(SOURCES))
     out: list[DraftSource] = []
     for name in names:
-        if name == "recycling":
+        if name == "heads":
+            if heads is None:
+                raise ValueError("the heads source needs trained heads")
+            out.append(heads(SOURCES.index(name), stats))
+        elif name == "recycling":
             out.append(RecyclingDrafter(SOURCES.index(name), stats, vocab, static_tree=static_tree))
         elif name == "ngram":
             out.append(NgramDrafter(SOURCES.index(name), stats))
@@ -164,7 +169,7 @@ class Engine:
         n_nodes = flat.tokens.shape[0]
         base = self.cache.length  # position of the root: the context length minus one
         positions = base + flat.depth
-        logits, _ = self.model.forward(flat.tokens, positions, self.cache, flat.anc if n_nodes > 1 else None)
+        logits, hidden = self.model.forward(flat.tokens, positions, self.cache, flat.anc if n_nodes > 1 else None)
         self.forwards += 1
         hist_t = self.S[: self.n]
         processed = self.sampler.process(logits, hist_t.to(logits.device), flat.tokens, flat.depth, flat.anc)
@@ -176,6 +181,7 @@ class Engine:
             top = torch.topk(processed, TOPK, dim=-1).indices.cpu().numpy().astype(np.int32)
             for src in self.sources:
                 src.after_verify(flat, top)
+                src.after_accept(hidden[path[-1]])
         self.cache.compact(base, torch.tensor(path, device=self.model.device))
         tok_list = flat.tokens.tolist()
         new = [tok_list[i] for i in path[1:]] + [bonus]
@@ -192,7 +198,7 @@ class Engine:
             hist = self.S[: self.n].numpy()
             for src in self.sources:
                 src.after_commit(hist, len(new))
-        accepted_src = [flat.sources[i] for i in path[1 : len(new)]]
+        accepted_src = [flat.sources[i] for i in path[1 : len(new) + 1]]  # drafts among the committed tokens
         return Step(new, n_nodes, n_nodes - 1, accepted_src, rebuilt)
 
     def run(self, n_new: int):

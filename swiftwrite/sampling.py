@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -61,7 +62,7 @@ class Sampler:
         rows = [counts > 0]
         for d in range(1, max_d + 1):
             cut = N - W + d  # the first `cut` history tokens fall out of the window of a depth-d node
-            if cut > lo:
+            if lo < cut <= N:  # nodes deeper than the window see only their ancestors
                 counts = counts.clone()
                 counts[history[cut - 1]] -= 1
             rows.append(counts > 0)
@@ -82,7 +83,7 @@ class Sampler:
             penalised = torch.where(logits > 0, logits / s.penalty, logits * s.penalty)
             logits = torch.where(pres, penalised, logits)
         if self._suppress is not None:
-            logits[:, self._suppress] = float("-inf")
+            logits = logits.index_fill(-1, self._suppress, float("-inf"))  # not in place: inference-mode tensor
         if self.greedy:
             return logits
         logits = logits / s.temperature
@@ -104,8 +105,10 @@ class Sampler:
     def noise(self, position: int) -> torch.Tensor:
         g = self._noise.get(position)
         if g is None:
-            gen = torch.Generator().manual_seed(((self.s.seed & 0xFFFFFFFF) << 32) | (position & 0xFFFFFFFF))
-            u = torch.rand(self.vocab, generator=gen, dtype=torch.float64).clamp_(1e-300, 1.0 - 1e-16)
+            # numpy's SeedSequence mixes both numbers in full (torch's CPU generator keeps only 32 bits of a
+            # seed, which would make the noise depend on the position alone).
+            rng = np.random.default_rng([self.s.seed & 0xFFFFFFFFFFFFFFFF, position])
+            u = torch.from_numpy(rng.random(self.vocab)).clamp_(1e-300, 1.0 - 1e-16)
             g = (-torch.log(-torch.log(u))).to(torch.float32).to(self.device)
             if len(self._noise) > 256:
                 self._noise.clear()

@@ -75,3 +75,19 @@ def tiny_hf_model(arch: str, seed: int = 0, out_dir: str | Path | None = None, *
         save_kwargs["safe_serialization"] = True
     model.save_pretrained(str(path), **save_kwargs)
     return path, model
+
+
+def sharpened_tiny_model(arch: str, scale: float, seed: int = 0, out_dir: str | Path | None = None, **overrides):
+    """`tiny_hf_model` with the LM head multiplied by `scale` (and saved that way), so logits are `scale` times
+    larger: the next-token distribution is peaked and the output repeats itself the way a real model's does,
+    which is what gives draft sources something to get right. Needs untied embeddings (the tiny default)."""
+    path, model = tiny_hf_model(arch, seed=seed, out_dir=out_dir, **overrides)
+    if model.config.tie_word_embeddings:
+        raise ValueError("sharpening scales the LM head alone; build the model with tie_word_embeddings=False")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    save_kwargs = {}
+    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+        save_kwargs["safe_serialization"] = True
+    model.save_pretrained(str(path), **save_kwargs)
+    return path, model
