@@ -10,6 +10,7 @@ again at every step from that step's own estimates. On a GPU c is nearly flat an
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -72,6 +73,8 @@ def cached_curve(path: Path, key: str, make) -> CostCurve:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         data = {}
+    if not isinstance(data, dict):
+        data = {}
     if key in data:
         try:
             return CostCurve.from_dict(data[key])
@@ -81,7 +84,7 @@ def cached_curve(path: Path, key: str, make) -> CostCurve:
     data[key] = curve.to_dict()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two processes may write at once
         tmp.write_text(json.dumps(data, indent=1))
         tmp.replace(path)
     except OSError:

@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from .errors import UsageError, UserError
+from .errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Write long documents with a local language model, faster, token for token unchanged.")
@@ -25,29 +25,33 @@ Opt = typer.Option
 
 @app.command()
 def generate(
-    prompt: str = typer.Argument(..., help="Prompt file, or - to read standard input."),
-    model: Optional[str] = Opt(None, help="Alias, model directory, .gguf file or Hugging Face id in the local cache."),
-    tokens: Optional[str] = Opt(None, help="New tokens to write (default 2000)."),
-    out: Optional[Path] = Opt(None, help="Write the text to this file instead of standard output."),
-    run_dir: Optional[Path] = Opt(None, help="Run directory (default runs/<slug>-<time>)."),
-    template: Optional[str] = Opt(None, help="novel | report | none."),
+    prompt: str = typer.Argument(..., metavar="PROMPT", help="Prompt file, or - to read standard input."),
+    model: Optional[str] = Opt(None, metavar="NAME", help="Alias, model directory, .gguf file or Hugging Face id in the local cache."),
+    tokens: Optional[str] = Opt(None, metavar="N", help="New tokens to write (default 2000)."),
+    out: Optional[Path] = Opt(None, metavar="FILE", help="Write the text to this file instead of standard output."),
+    run_dir: Optional[Path] = Opt(None, metavar="DIR", help="Run directory (default runs/<slug>-<time>)."),
+    template: Optional[str] = Opt(None, metavar="NAME", help="novel | report | none."),
     raw: Optional[bool] = Opt(None, "--raw", help="Continue the prompt as plain text, no chat template."),
-    config: Optional[Path] = Opt(None, help="YAML file with options."),
-    seed: Optional[str] = Opt(None, help="Sampling seed."),
-    temperature: Optional[str] = Opt(None, help="0 = greedy (default 0.7)."),
-    top_p: Optional[str] = Opt(None), min_p: Optional[str] = Opt(None), top_k: Optional[str] = Opt(None),
-    penalty: Optional[str] = Opt(None, help="Repetition penalty theta; 1 = off (default 1.2)."),
-    penalty_window: Optional[str] = Opt(None, help="Tokens the penalty looks back (default 1024)."),
+    config: Optional[Path] = Opt(None, metavar="FILE", help="YAML file with options."),
+    seed: Optional[str] = Opt(None, metavar="S", help="Sampling seed, 0 to 2^32-1 (default 0)."),
+    temperature: Optional[str] = Opt(None, metavar="T", help="0 = greedy (default 0.7)."),
+    top_p: Optional[str] = Opt(None, metavar="P", help="Nucleus mass in (0, 1]; 1 = off (default)."),
+    min_p: Optional[str] = Opt(None, metavar="P", help="In [0, 1]; 0 = off (default 0.1)."),
+    top_k: Optional[str] = Opt(None, metavar="K", help="0 = off (default)."),
+    penalty: Optional[str] = Opt(None, metavar="THETA", help="Repetition penalty theta; 1 = off (default 1.2)."),
+    penalty_window: Optional[str] = Opt(None, metavar="W", help="Tokens the penalty looks back (default 1024)."),
     stop_at_eos: Optional[bool] = Opt(None, "--stop-at-eos", help="Stop at end-of-text instead of writing --tokens."),
-    chunk: Optional[str] = Opt(None, help="Tokens between checkpoints (default 256)."),
-    draft: Optional[str] = Opt(None, help="none | recycling | ngram | all."),
-    budget: Optional[str] = Opt(None, help="Draft nodes per step: auto or 1..63."),
+    chunk: Optional[str] = Opt(None, metavar="N", help="Tokens between checkpoints (default 256)."),
+    draft: Optional[str] = Opt(None, metavar="NAME", help="none | recycling | ngram | all (default all)."),
+    budget: Optional[str] = Opt(None, metavar="B", help="Draft nodes per step: auto or 1..63."),
     static_tree: Optional[bool] = Opt(None, "--static-tree", help="Recycling: the paper's static 81-node tree."),
-    context: Optional[str] = Opt(None, help="Tokens the model attends to (default: the model's window)."),
-    device: Optional[str] = Opt(None), dtype: Optional[str] = Opt(None), threads: Optional[str] = Opt(None),
+    context: Optional[str] = Opt(None, metavar="N", help="Tokens the model attends to (default: the model's window)."),
+    device: Optional[str] = Opt(None, metavar="NAME", help="auto | cpu | cuda."),
+    dtype: Optional[str] = Opt(None, metavar="NAME", help="auto | float32 | bfloat16 | float16."),
+    threads: Optional[str] = Opt(None, metavar="N", help="CPU threads; 0 = torch's default."),
     quiet: bool = Opt(False, "--quiet", help="Print nothing but the text."),
     no_live: bool = Opt(False, "--no-live", help="Plain progress lines instead of the live panel."),
-    stats_json: Optional[Path] = Opt(None, help="Write the final statistics as JSON."),
+    stats_json: Optional[Path] = Opt(None, metavar="FILE", help="Write the final statistics as JSON."),
 ):
     """Write a document from a prompt, checkpointing into a run directory."""
     from . import config as config_mod
@@ -63,20 +67,20 @@ def generate(
 
 @app.command()
 def resume(
-    run_dir: Path = typer.Argument(..., help="The run directory to continue."),
-    tokens: Optional[str] = Opt(None, help="New total target of tokens (extends the run)."),
-    out: Optional[Path] = Opt(None, help="Write the whole text (old and new) to this file."),
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="The run directory to continue."),
+    tokens: Optional[str] = Opt(None, metavar="N", help="New total target of tokens (extends the run)."),
+    out: Optional[Path] = Opt(None, metavar="FILE", help="Write the whole text (old and new) to this file."),
     force: bool = Opt(False, "--force", help="Resume even if the model changed."),
     quiet: bool = Opt(False, "--quiet"), no_live: bool = Opt(False, "--no-live"),
-    stats_json: Optional[Path] = Opt(None),
+    stats_json: Optional[Path] = Opt(None, metavar="FILE", help="Write the final statistics as JSON."),
 ):
     """Continue an interrupted run exactly where its last checkpoint left it."""
-    from .config import coerce
+    from .config import Config, coerce
     from .writer import resume as run
 
-    n = coerce("tokens", tokens, "command line") if tokens is not None else None
-    if n is not None and n < 1:
-        raise UsageError(f"tokens must be at least 1 (got {n}).")
+    n = coerce("tokens", tokens, "--tokens") if tokens is not None else None
+    if n is not None:
+        Config(tokens=n).validate({"tokens": "--tokens"})
     raise typer.Exit(run(run_dir, n, out, force, quiet, no_live, stats_json))
 
 
@@ -110,27 +114,53 @@ def models_pull(name: str = typer.Argument("smollm2-135m")):
     console.print(f"{name} is ready in {path}", markup=False)
 
 
+def _say(msg: str) -> None:
+    """One line on stderr, whatever the message carries (a YAML or JSON error quoted inside can span lines)."""
+    print("swiftwrite: " + " ".join(str(msg).split()), file=sys.stderr, flush=True)
+
+
+def _click_errors() -> tuple[type, ...]:
+    """Click's exception class: typer >= 0.22 ships its own copy of click, older ones use click itself."""
+    import importlib
+
+    found = []
+    for name in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            found.append(importlib.import_module(name).ClickException)
+        except ImportError:
+            pass
+    return tuple(found)
+
+
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)  # without standalone mode, click returns typer.Exit's code instead
+        sys.exit(rc if isinstance(rc, int) else 0)
     except UserError as e:
-        print(f"swiftwrite: {e}", file=sys.stderr)
+        _say(str(e))
         sys.exit(e.exit_code)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        print("swiftwrite: interrupted.", file=sys.stderr)
+        _say("interrupted.")
         sys.exit(130)
     except BrokenPipeError:
         sys.exit(0)
-    except Exception as e:  # click's usage errors
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            print(f"swiftwrite: {e.format_message()}", file=sys.stderr)
+    except MemoryError:
+        _say("out of memory; use a smaller --context, a smaller model, or close other programs.")
+        sys.exit(1)
+    except typer.Abort:
+        sys.exit(130)
+    except Exception as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # `swiftwrite` alone: the help, as written
+            print(e.format_message(), file=sys.stderr)
             sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
-            sys.exit(130)
+        if isinstance(e, _click_errors()):  # unknown options, missing arguments: usage errors, exit 2
+            _say(e.format_message())
+            sys.exit(e.exit_code)
+        if isinstance(e, OSError):  # the machine said no (permissions, space, a vanished file): one sentence
+            _say(f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "") + ".")
+            sys.exit(1)
         raise
 
 

@@ -7,6 +7,7 @@ way of setting an option is validated by the same code and fails with the same s
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -16,6 +17,10 @@ import yaml
 from .errors import UsageError
 
 DRAFT_CHOICES = ("none", "recycling", "ngram", "all")
+TEMPLATES = ("novel", "report", "none")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_TOKENS = 10_000_000  # far past any model's usefulness; catches a typo'd extra zero or two
 
 
 @dataclass
@@ -24,7 +29,7 @@ class Config:
     tokens: int = 2000  # new tokens to write (end-of-text is suppressed until then unless stop_at_eos)
     template: str = "none"  # novel | report | none: wrap the brief in a long-form instruction from prompts/
     raw: bool = False  # feed the prompt as plain text to continue, without the chat template
-    seed: int = 0  # sampling seed; the noise at position p depends only on (seed, p)
+    seed: int = 0  # sampling seed in [0, 2^32); the noise at position p depends only on (seed, p)
     # 0.7 with min-p 0.1 reads well on the 135M default model: at 1.0 it drifts into nonsense within a few
     # hundred tokens; at 0.3-0.5 it repeats whole sentences even with the penalty.
     temperature: float = 0.7  # 0 = greedy; >= 0
@@ -43,29 +48,34 @@ class Config:
     dtype: str = "auto"  # auto (cuda: bfloat16, cpu: float32) | float32 | bfloat16 | float16
     threads: int = 0  # torch CPU threads; 0 = torch's default
 
-    def validate(self) -> "Config":
-        def need(ok: bool, msg: str):
-            if not ok:
-                raise UsageError(msg)
+    def validate(self, where: dict[str, str] | None = None) -> "Config":
+        """Check every range; `where` names the source of each value (e.g. "--top-p") for the message."""
+        where = where or {}
 
-        need(self.tokens >= 1, f"tokens must be at least 1 (got {self.tokens}).")
-        need(self.tokens <= 10_000_000, f"tokens {self.tokens} is absurdly large; the limit is 10,000,000.")
-        need(self.template in ("novel", "report", "none"), f"unknown template '{self.template}'; use novel, report or none.")
-        need(self.temperature >= 0, f"temperature must be 0 (greedy) or positive (got {self.temperature}).")
-        need(0 < self.top_p <= 1, f"top_p must be in (0, 1] (got {self.top_p}).")
-        need(0 <= self.min_p <= 1, f"min_p must be in [0, 1] (got {self.min_p}).")
-        need(self.top_k >= 0, f"top_k must be 0 (off) or positive (got {self.top_k}).")
-        need(self.penalty >= 1, f"penalty must be at least 1 (1 = off; got {self.penalty}).")
-        need(self.penalty_window >= 0, f"penalty_window must be non-negative (got {self.penalty_window}).")
-        need(self.chunk >= 1, f"chunk must be at least 1 token (got {self.chunk}).")
-        need(self.draft in DRAFT_CHOICES, f"unknown draft source '{self.draft}'; use one of {', '.join(DRAFT_CHOICES)}.")
-        need(self.budget == "auto" or (self.budget.isdigit() and int(self.budget) >= 1),
-             f"budget must be 'auto' or a positive number of draft nodes (got '{self.budget}').")
-        need(self.context >= 0, f"context must be 0 (the model's window) or positive (got {self.context}).")
-        need(self.device in ("auto", "cpu", "cuda"), f"unknown device '{self.device}'; use auto, cpu or cuda.")
-        need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
-             f"unsupported dtype '{self.dtype}'; use auto, float32, bfloat16 or float16.")
-        need(self.threads >= 0, f"threads must be 0 (default) or positive (got {self.threads}).")
+        def need(ok: bool, name: str, rule: str):
+            if not ok:
+                raise UsageError(f"{where.get(name, name)} {rule} (got {getattr(self, name)!r}).")
+
+        for f in fields(self):  # nan and inf pass every comparison below in the wrong direction
+            if isinstance(getattr(self, f.name), float):
+                need(math.isfinite(getattr(self, f.name)), f.name, "must be a finite number")
+        need(1 <= self.tokens <= MAX_TOKENS, "tokens", f"must be between 1 and {MAX_TOKENS:,}")
+        need(self.template in TEMPLATES, "template", f"must be one of {', '.join(TEMPLATES)}")
+        need(self.temperature >= 0, "temperature", "must be 0 (greedy) or positive")
+        need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]; 1 turns it off")
+        need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]; 0 turns it off")
+        need(self.top_k >= 0, "top_k", "must be 0 (off) or positive")
+        need(self.penalty >= 1, "penalty", "must be at least 1 (1 turns it off)")
+        need(self.penalty_window >= 0, "penalty_window", "must be 0 or a positive number of tokens")
+        need(self.chunk >= 1, "chunk", "must be at least 1 token")
+        need(self.draft in DRAFT_CHOICES, "draft", f"must be one of {', '.join(DRAFT_CHOICES)}")
+        need(self.budget == "auto" or (self.budget.isdigit() and int(self.budget) >= 1), "budget",
+             "must be 'auto' or a positive number of draft nodes")
+        need(self.context >= 0, "context", "must be 0 (the model's window) or a positive number of tokens")
+        need(self.device in DEVICES, "device", f"must be one of {', '.join(DEVICES)}")
+        need(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+        need(0 <= self.threads <= 1024, "threads", "must be 0 (torch's default) or a number of threads up to 1024")
+        need(0 <= self.seed < 1 << 32, "seed", f"must be between 0 and {(1 << 32) - 1}")
         return self
 
     def to_dict(self) -> dict:
@@ -75,20 +85,24 @@ class Config:
 FIELDS = {f.name: f for f in fields(Config)}
 
 
+KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a word"}
+
+
 def coerce(name: str, value, source: str):
-    """Turn a YAML/env/flag value into the field's type, or fail with one sentence naming the source."""
+    """Turn a YAML/env/flag value into the field's type, or fail with one sentence naming the source
+    (`source` is how the user spelled it: "--top-p", "SWIFTWRITE_TOP_P", "run.yaml: top_p")."""
     kind = type(getattr(Config(), name))
     if kind is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            return value.lower() in ("1", "true", "yes", "on")
+        if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.strip().lower() in ("1", "true", "yes", "on")
     elif kind is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, str):
             try:
-                return int(value)
+                return int(value.strip())
             except ValueError:
                 pass
     elif kind is float:
@@ -96,21 +110,27 @@ def coerce(name: str, value, source: str):
             return float(value)
         if isinstance(value, str):
             try:
-                return float(value)
+                return float(value.strip())
             except ValueError:
                 pass
     elif kind is str:
         if isinstance(value, (str, int)) and not isinstance(value, bool):
-            return str(value)
-    raise UsageError(f"{source}: '{name}' must be {kind.__name__}, got {value!r}.")
+            return str(value).strip()
+    raise UsageError(f"{source} must be {KINDS[kind]}, got {value!r}.")
 
 
-def _apply(cfg: Config, values: dict, source: str) -> None:
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _apply(cfg: Config, values: dict, label, where: dict[str, str]) -> None:
+    """Set each field from `values`; `label(key, name)` says how the user spelled it, for messages."""
     for key, value in values.items():
-        name = key.replace("-", "_")
+        name = str(key).replace("-", "_")
         if name not in FIELDS:
-            raise UsageError(f"{source}: unknown option '{key}'; known options are {', '.join(FIELDS)}.")
-        setattr(cfg, name, coerce(name, value, source))
+            raise UsageError(f"{label(key, None)}: unknown option '{key}'; known options are {', '.join(FIELDS)}.")
+        where[name] = label(key, name)
+        setattr(cfg, name, coerce(name, value, where[name]))
 
 
 def load_yaml(path: Path) -> dict:
@@ -120,8 +140,10 @@ def load_yaml(path: Path) -> dict:
         raise UsageError(f"config file {path} does not exist.") from None
     except IsADirectoryError:
         raise UsageError(f"config file {path} is a directory; give a YAML file.") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"config file {path} cannot be read ({e}).") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"config file {path} is not UTF-8 text; give a YAML file.") from None
+    except OSError as e:
+        raise UsageError(f"config file {path} cannot be read ({e.strerror}).") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -138,12 +160,13 @@ def load_yaml(path: Path) -> dict:
 def resolve(config_file: Path | None, flags: dict, environ=os.environ, base: dict | None = None) -> Config:
     """defaults (or `base`, a saved run's config) < YAML < SWIFTWRITE_* env < flags (None = not given)."""
     cfg = Config()
+    where: dict[str, str] = {}
     if base:
-        _apply(cfg, base, "saved run configuration")
+        _apply(cfg, base, lambda k, n: f"saved run configuration: {k}", where)
     if config_file is not None:
-        _apply(cfg, load_yaml(config_file), str(config_file))
+        _apply(cfg, load_yaml(config_file), lambda k, n: f"{config_file}: {k}" if n else str(config_file), where)
     env = {k[len("SWIFTWRITE_"):].lower(): v for k, v in environ.items()
            if k.startswith("SWIFTWRITE_") and k[len("SWIFTWRITE_"):].lower() in FIELDS}
-    _apply(cfg, env, "environment")
-    _apply(cfg, {k: v for k, v in flags.items() if v is not None}, "command line")
-    return cfg.validate()
+    _apply(cfg, env, lambda k, n: f"SWIFTWRITE_{k.upper()}", where)
+    _apply(cfg, {k: v for k, v in flags.items() if v is not None}, lambda k, n: flag(k), where)
+    return cfg.validate(where)

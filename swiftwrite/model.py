@@ -322,7 +322,11 @@ def load_safetensors_dir(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_lean(model_dir: Path, device="cpu", dtype=torch.float32) -> LeanModel:
-    cfg = ModelConfig.from_hf(read_hf_config(model_dir))
+    raw = read_hf_config(model_dir)
+    try:
+        cfg = ModelConfig.from_hf(raw)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{model_dir}/config.json is not a usable model configuration (missing or bad {e}).") from None
     if cfg.arch not in SUPPORTED_ARCHS:
         raise UserError(f"architecture '{cfg.arch}' is not in the lean forward's family {SUPPORTED_ARCHS}")
     weights = load_safetensors_dir(model_dir)

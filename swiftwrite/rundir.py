@@ -56,12 +56,30 @@ class RunDir:
     # -----------------------------------------------------------------------------------------------------
     # create / open
 
-    @classmethod
-    def create(cls, path, config: dict, prompt_text: str, prompt_ids: list[int], fingerprint: str) -> RunDir:
+    @staticmethod
+    def check_new(path) -> None:
+        """Refuse, creating nothing, a path create() would refuse: a file, a non-empty directory (an existing
+        run is never overwritten), or a place that cannot hold a new directory."""
         p = Path(path)
         if p.exists() and (not p.is_dir() or any(p.iterdir())):
             raise UserError(f"{p} already exists and is not an empty directory; choose a new run directory "
                             f"(or continue an earlier run with `swiftwrite resume {p}`).")
+        if p.is_dir():
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise UserError(f"the run directory {p} is not writable; choose another one.")
+            return
+        up = p.parent
+        while not up.exists() and up != up.parent:
+            up = up.parent
+        if not up.is_dir():
+            raise UserError(f"the run directory {p} cannot be created: {up} is a file, not a directory.")
+        if not os.access(up, os.W_OK | os.X_OK):
+            raise UserError(f"the run directory {p} cannot be created in {up} (permission denied); choose another place.")
+
+    @classmethod
+    def create(cls, path, config: dict, prompt_text: str, prompt_ids: list[int], fingerprint: str) -> RunDir:
+        p = Path(path)
+        cls.check_new(p)
         # Serialize first, so a bad config fails before anything touches the disk.
         files = {CONFIG: yaml.safe_dump(config, sort_keys=False).encode(), PROMPT: prompt_text.encode(),
                  META: _json({"format": FORMAT, "fingerprint": fingerprint, "prompt_ids": list(prompt_ids),

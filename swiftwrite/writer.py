@@ -1,39 +1,47 @@
 """The writer: prompt in, document out, through a crash-safe run directory.
 
-It loads the model once, turns the prompt into token ids, drives the engine, streams text to stdout (or
---out) as it comes, and checkpoints every `chunk` tokens. The token ids are the source of truth; text is
-derived from them, so a resumed run re-decodes instead of trusting a half-written file.
+It checks everything the user gave (prompt, options, paths, the model's files), loads the model once, turns
+the prompt into token ids, drives the engine, streams text to stdout (or --out) as it comes, and checkpoints
+every `chunk` tokens. The token ids are the source of truth; text is derived from them, so a resumed run
+re-decodes instead of trusting a half-written file.
+
+torch, transformers and the engine are imported inside the functions that use them: the checks of the
+user's input come first and fail in a fraction of a second, not after seconds of imports and loading.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import io
 import json
 import os
 import re
 import resource
+import shlex
 import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-
-from . import budget as budget_mod
 from .config import Config
-from .engine import SOURCES, Engine, make_sources
 from .errors import UsageError, UserError
-from .model import KVCache, LeanModel, load_lean
 from .rundir import RunDir
-from .sampling import Sampler, SamplerSettings
 from .store import ModelRef, home, resolve
 from .ui import Display, Progress, human_bytes
-from .window import Window
+
+if TYPE_CHECKING:
+    import torch
+
+    from .engine import Engine
+    from .model import LeanModel, ModelConfig
+    from .window import Window
 
 MAX_PROMPT_BYTES = 1 << 20
-PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
+# Templates ship inside the package (swiftwrite/templates/) when installed, in prompts/ in a source checkout.
+TEMPLATE_DIRS = (Path(__file__).resolve().parent / "templates", Path(__file__).resolve().parent.parent / "prompts")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -42,6 +50,8 @@ PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
 
 def read_prompt(source: str) -> str:
     if source == "-":
+        if sys.stdin.isatty():
+            print("swiftwrite: reading the prompt from the terminal; end it with Ctrl-D.", file=sys.stderr, flush=True)
         data = sys.stdin.buffer.read(MAX_PROMPT_BYTES + 1)
         where = "standard input"
     else:
@@ -72,7 +82,11 @@ def read_prompt(source: str) -> str:
 def apply_template(brief: str, template: str) -> str:
     if template == "none":
         return brief
-    return (PROMPTS_DIR / f"{template}.txt").read_text(encoding="utf-8").replace("{brief}", brief.strip())
+    for d in TEMPLATE_DIRS:
+        if (d / f"{template}.txt").is_file():
+            return (d / f"{template}.txt").read_text(encoding="utf-8").replace("{brief}", brief.strip())
+    raise UserError(f"the {template} template is missing from this installation ({TEMPLATE_DIRS[0]}); "
+                    "reinstall swiftwrite or use --template none.")
 
 
 def prompt_ids(tok, text: str, raw: bool) -> list[int]:
@@ -87,12 +101,16 @@ def prompt_ids(tok, text: str, raw: bool) -> list[int]:
 
 class TextStream:
     """Incremental detokenisation that never splits a UTF-8 character: text is released only once the
-    decoding of the pending tokens no longer ends in a replacement character."""
+    decoding of the pending tokens no longer ends in a replacement character.
 
-    def __init__(self, tok, history: list[int]):
+    `pending` tokens at a checkpoint (a character cut by the chunk boundary) are in tokens.bin but not yet in
+    output.txt; the checkpoint records how many, so a resumed stream picks them up exactly where it was."""
+
+    def __init__(self, tok, history: list[int], pending: int = 0):
         self.tok = tok
-        self.prefix = list(history[-4:])  # context so that leading spaces decode as in the full text
-        self.pending: list[int] = []
+        cut = len(history) - pending
+        self.prefix = list(history[max(0, cut - 4):cut])  # context so that leading spaces decode as in the full text
+        self.pending: list[int] = list(history[cut:])
 
     def push(self, ids: list[int]) -> str:
         self.pending.extend(ids)
@@ -104,7 +122,6 @@ class TextStream:
         self.prefix = (self.prefix + self.pending)[-4:]
         self.pending = []
         return out
-
 
     def flush(self) -> str:
         """Whatever is still pending (a character cut by the end of the run decodes as U+FFFD)."""
@@ -122,17 +139,47 @@ def slug(text: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Model and engine set-up
+# Checks that need no model
 
 
-@dataclass
-class Loaded:
-    ref: ModelRef
-    tok: object
-    model: LeanModel
+def check_writable(path: Path | None, flag: str) -> None:
+    """Fail now, not after an hour of writing, if `path` cannot become a file. Creates nothing."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a directory; give a file name.")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UserError(f"{flag} {path} cannot be written: the directory {parent} does not exist; create it first.")
+    if not (os.access(path, os.W_OK) if path.exists() else os.access(parent, os.W_OK | os.X_OK)):
+        raise UserError(f"{flag} {path} cannot be written (permission denied); choose another path.")
 
 
-def pick_device(cfg: Config) -> tuple[str, torch.dtype]:
+def default_run_dir(brief: str) -> Path:
+    base = Path("runs") / f"{slug(brief)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():  # the same brief twice in one second: the user did not pick the name, so number it
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def check_gguf_header(path: Path) -> None:
+    """A .gguf that is not one is refused here, in a millisecond, not after seconds of starting a conversion."""
+    if path.suffix != ".gguf" or not path.is_file():
+        return  # not a GGUF path, or a missing one: store.resolve says so
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+    except OSError as e:
+        raise UserError(f"GGUF file {path} cannot be read ({e.strerror}).") from None
+    if head[:4] != b"GGUF" or int.from_bytes(head[4:8], "little") not in (2, 3):
+        raise UserError(f"{path} is not a GGUF model file (no GGUF v2/v3 header); check the file or download it again.")
+
+
+def pick_device(cfg: Config) -> tuple[str, "torch.dtype"]:
+    import torch
+
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but no CUDA GPU is available; use --device cpu.")
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
@@ -142,24 +189,91 @@ def pick_device(cfg: Config) -> tuple[str, torch.dtype]:
     return device, getattr(torch, name)
 
 
-def load(cfg: Config, display: Display) -> Loaded:
+# ---------------------------------------------------------------------------------------------------------
+# Model and engine set-up
+
+
+@dataclass
+class Loaded:
+    ref: ModelRef
+    tok: object
+    mcfg: "ModelConfig"  # from config.json, known before the weights are read
+    device: str
+    dtype: "torch.dtype"
+    model: "LeanModel | None" = None  # set by load_weights(), after every cheaper check has passed
+
+
+def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Loaded:
+    """Everything about the model short of its weights: files, configuration, device, tokenizer."""
+    if ref is None:
+        check_gguf_header(Path(cfg.model).expanduser())
+        ref = resolve(cfg.model, log=display.info)
+    device, dtype = pick_device(cfg)
     if cfg.threads:
+        import torch
+
         torch.set_num_threads(cfg.threads)
-    ref = resolve(cfg.model, log=display.info)
+    from .model import SUPPORTED_ARCHS, ModelConfig, read_hf_config
+
+    raw = read_hf_config(ref.path)
+    try:
+        mcfg = ModelConfig.from_hf(raw)
+    except KeyError as e:
+        raise UserError(f"{ref.path / 'config.json'} lacks {e}; it is not a complete model configuration, "
+                        "re-download or re-convert the model.") from None
+    except (TypeError, AttributeError, ValueError):
+        raise UserError(f"{ref.path / 'config.json'} is not a model configuration (a JSON object of settings); "
+                        "re-download or re-convert the model.") from None
+    if mcfg.arch not in SUPPORTED_ARCHS:
+        raise UserError(f"architecture '{mcfg.arch}' of {ref.path} is not supported; "
+                        f"swiftwrite runs the {', '.join(SUPPORTED_ARCHS)} families.")
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     try:
         tok = AutoTokenizer.from_pretrained(str(ref.path))
-    except (OSError, ValueError) as e:
-        raise UserError(f"the tokenizer in {ref.path} cannot be loaded ({str(e).splitlines()[0][:120]}).") from None
-    device, dtype = pick_device(cfg)
-    return Loaded(ref, tok, load_lean(ref.path, device, dtype))
+    except Exception as e:  # transformers raises whatever its backend raises for a bad tokenizer file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise UserError(f"the tokenizer in {ref.path} cannot be loaded ({first}); re-download or re-convert the model.") from None
+    return Loaded(ref, tok, mcfg, device, dtype)
 
 
-def suppressed_ids(tok, model: LeanModel) -> tuple[int, ...]:
-    ids = set(model.cfg.eos_token_ids)
+def load_weights(lm: Loaded) -> None:
+    from .model import load_lean
+
+    lm.model = load_lean(lm.ref.path, lm.device, lm.dtype)
+
+
+def load(cfg: Config, display: Display) -> Loaded:
+    """The model in one call, for callers with no input of their own to check first (bench, training)."""
+    lm = open_model(cfg, display)
+    load_weights(lm)
+    return lm
+
+
+def make_window(cfg: Config, lm: Loaded, prompt_len: int, display: Display) -> "Window":
+    """The context the model attends to, checked against the prompt and free memory before any weight loads."""
+    from .budget import MAX_BUDGET
+    from .model import KVCache
+    from .window import Window
+
+    limit = lm.mcfg.max_positions
+    if cfg.context > limit:
+        display.info(f"--context {cfg.context} is past the model's {limit} positions; using {limit}.")
+    context = min(cfg.context or limit, limit)
+    window = Window(context, prompt_len)
+    need = KVCache.bytes_needed(lm.mcfg, context + 1 + MAX_BUDGET, lm.dtype)
+    avail = _available_memory() if lm.device == "cpu" else None
+    if avail is not None and need > avail:
+        per_token = need / (context + 1 + MAX_BUDGET)
+        raise UserError(f"the KV cache needs {human_bytes(need)} but only {human_bytes(avail)} is free; "
+                        f"use --context {max(256, int(avail * 0.8 / per_token))} or less.")
+    return window
+
+
+def suppressed_ids(tok, mcfg: "ModelConfig") -> tuple[int, ...]:
+    ids = set(mcfg.eos_token_ids)
     for t in (tok.eos_token_id, getattr(tok, "pad_token_id", None)):
         if t is not None:
             ids.add(int(t))
@@ -170,19 +284,23 @@ def suppressed_ids(tok, model: LeanModel) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def build_engine(cfg: Config, lm: Loaded, prompt_len: int, total: int, display: Display) -> Engine:
+def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, display: Display) -> "Engine":
+    """`window`: from make_window(), or the prompt length to make it from."""
+    from . import budget as budget_mod
+    from .engine import SOURCES, Engine, make_sources
+    from .sampling import Sampler, SamplerSettings
+
+    if isinstance(window, int):
+        window = make_window(cfg, lm, window, display)
     model = lm.model
-    limit = model.cfg.max_positions
-    if cfg.context > limit:
-        display.info(f"--context {cfg.context} is past the model's {limit} positions; using {limit}.")
-    context = min(cfg.context or limit, limit)
-    window = Window(context, prompt_len)
-    stops = suppressed_ids(lm.tok, model)
+    stops = suppressed_ids(lm.tok, model.cfg)
     settings = SamplerSettings(
         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
         penalty=cfg.penalty, window=cfg.penalty_window, suppress=() if cfg.stop_at_eos else stops, seed=cfg.seed,
     )
-    names = [] if cfg.draft == "none" else (list(SOURCES) if cfg.draft == "all" else [cfg.draft])
+    # "all" = the train-free sources; the multi-token heads need trained weights the writer does not load yet.
+    every = [name for name in SOURCES if name in ("recycling", "ngram")]
+    names = [] if cfg.draft == "none" else (every if cfg.draft == "all" else [cfg.draft])
     sources, stats = make_sources(names, model.cfg.vocab_size, static_tree=cfg.static_tree)
     fixed = None
     if names and cfg.budget != "auto":
@@ -192,15 +310,11 @@ def build_engine(cfg: Config, lm: Loaded, prompt_len: int, total: int, display: 
             fixed = budget_mod.MAX_BUDGET
     if cfg.static_tree and fixed is None:
         fixed = budget_mod.MAX_BUDGET
-    need = KVCache.bytes_needed(model.cfg, context + 1 + budget_mod.MAX_BUDGET, model.dtype)
-    avail = _available_memory()
-    if avail is not None and need > avail:
-        per_token = need / (context + 64)
-        raise UserError(f"the KV cache needs {human_bytes(need)} but only {human_bytes(avail)} is free; "
-                        f"use --context {max(256, int(avail * 0.8 / per_token))} or less.")
-    display.info(f"KV cache: {human_bytes(need)} for a {context}-token context on {model.device.type}/{str(model.dtype).replace('torch.', '')}")
-    return Engine(model, Sampler(settings, model.cfg.vocab_size, model.device), window, sources, stats,
-                  budget=fixed, capacity=total + 1, stop_ids=stops if cfg.stop_at_eos else ())
+    engine = Engine(model, Sampler(settings, model.cfg.vocab_size, model.device), window, sources, stats,
+                    budget=fixed, capacity=total + 1, stop_ids=stops if cfg.stop_at_eos else ())
+    display.info(f"KV cache: {human_bytes(engine.cache.nbytes)} for a {window.context}-token context on "
+                 f"{lm.device}/{str(lm.dtype).replace('torch.', '')}")
+    return engine
 
 
 def _available_memory() -> int | None:
@@ -214,24 +328,32 @@ def _available_memory() -> int | None:
     return None
 
 
-def fit_budget(engine: Engine, lm: Loaded, cfg: Config, display: Display) -> None:
+def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display: Display | None = None) -> None:
     if not engine.sources or engine.budget is not None:
         return
+    import torch
+
+    from . import budget as budget_mod
+
     key = f"{lm.ref.fingerprint}/{lm.model.device.type}/{str(lm.model.dtype)}/{torch.get_num_threads()}t"
     engine.cost = budget_mod.cached_curve(home() / "cost_curves.json", key, lambda: budget_mod.measure(lm.model, engine.cache))
 
 
-def pack_state(state: dict[str, np.ndarray]) -> bytes | None:
+def pack_state(state: dict) -> bytes | None:
     if not state:
         return None
+    import numpy as np
+
     buf = io.BytesIO()
     np.savez(buf, **state)
     return buf.getvalue()
 
 
-def unpack_state(blob: bytes | None) -> dict[str, np.ndarray]:
+def unpack_state(blob: bytes | None) -> dict:
     if not blob:
         return {}
+    import numpy as np
+
     try:
         with np.load(io.BytesIO(blob), allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
@@ -263,11 +385,35 @@ class Interrupt:
             signal.signal(s, h)
 
 
-def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: Engine, out, display: Display, stats_json: Path | None) -> int:
+def resume_command(rd: RunDir) -> str:
+    return f"swiftwrite resume {shlex.quote(str(rd.path))}"
+
+
+@contextlib.contextmanager
+def interrupted_before_the_loop(rd: RunDir):
+    """Ctrl-C during the prefill or the cost measurement: nothing new to save, but say how to continue."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        e = UserError(f"interrupted at {len(rd.tokens)} tokens, before writing more; the run is saved. "
+                      f"Continue with: {resume_command(rd)}")
+        e.exit_code = 130  # like every other Ctrl-C
+        raise e from None
+
+
+def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display: Display, stats_json: Path | None) -> int:
+    import torch
+
+    from .engine import SOURCES
+
     target = cfg.tokens
     done = len(rd.tokens)
-    stream = TextStream(lm.tok, rd.prompt_ids + rd.tokens)
     prev = rd.stats or {}
+    stream = TextStream(lm.tok, rd.prompt_ids + rd.tokens, pending=_int(prev.get("text_pending_tokens"), done))
+    # Earlier processes of this run (interrupted, resumed), one line each, oldest first.
+    earlier = prev.get("earlier_processes")
+    history = [*(earlier if isinstance(earlier, list) else []),
+               *([{k: prev.get(k) for k in ("tokens", "seconds", "forward_passes")}] if prev.get("tokens") else [])]
     per_source = {name: 0 for name in (s.name for s in engine.sources)}
     forwards = 0
     made = 0
@@ -294,7 +440,7 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: Engine, out, display: 
             "budget": str(engine.budget) if engine.budget is not None else ("auto" if engine.sources else "none"),
             "cost_curve_ms": engine.cost.to_dict() if engine.cost is not None else None,
             "kv_cache_bytes": engine.cache.nbytes, "peak_rss_bytes": _rss(), "model_fingerprint": rd.fingerprint,
-            "previous_process": prev or None,
+            "text_pending_tokens": len(stream.pending), "earlier_processes": history,
         }
 
     def checkpoint(finished: bool = False):
@@ -302,9 +448,22 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: Engine, out, display: 
         rd.checkpoint(stats(), pack_state(engine.drafter_state()), finished=finished)
         since, checkpoints, last_cp = 0, checkpoints + 1, time.time()
 
+    def emit(text: str):
+        try:
+            out.write(text)
+            out.flush()
+        except OSError as e:  # a full disk under --out, or a closed pipe: the run dir still has every token
+            if out is sys.stdout and isinstance(e, BrokenPipeError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            checkpoint()
+            where = "standard output" if out is sys.stdout else f"--out {out.name}"
+            raise UserError(f"could not write to {where} ({e.strerror or e}); the run is saved at {done}/{target} "
+                            f"tokens, continue with: {resume_command(rd)}") from None
+
     display.start()
     try:
-        with Interrupt() as intr:
+        # Inference mode for the whole loop: no autograd bookkeeping on any tensor the engine makes or edits.
+        with Interrupt() as intr, torch.inference_mode():
             for step in engine.run(target - done):
                 forwards += 1
                 made += len(step.tokens)
@@ -317,29 +476,36 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: Engine, out, display: 
                 text = stream.push(step.tokens)
                 rd.append(step.tokens, text)
                 if text:
-                    out.write(text)
-                    out.flush()
+                    emit(text)
                     tail = (tail + text)[-400:]
-                if since >= cfg.chunk:
+                if since >= cfg.chunk and done < target:  # the last chunk is the final checkpoint below
                     checkpoint()
                 display.update(progress())
                 if intr.signum:
                     break
-            if intr.signum:
+            if intr.signum and done < target:  # a signal on the very last step is simply a finished run
                 checkpoint()
+                display.update(progress(), force=True)
                 display.stop()
-                display.info(f"interrupted at {done}/{target} tokens; continue with: swiftwrite resume {rd.path}")
+                out.flush()
+                # Printed even with --quiet: without it an interrupted run is easy to lose.
+                print(f"swiftwrite: interrupted at {done}/{target} tokens; the run is saved. Continue with: "
+                      f"{resume_command(rd)}", file=sys.stderr, flush=True)
                 return 128 + intr.signum
             rest = stream.flush()
             if rest:
                 rd.append([], rest)
-                out.write(rest)
+                emit(rest)
             checkpoint(finished=True)
+            display.update(progress(), force=True)
     finally:
-        display.update(progress(), force=True)
         display.stop()
-    out.write("\n") if out is sys.stdout and sys.stdout.isatty() else None
-    out.flush()
+    try:
+        if out is sys.stdout and sys.stdout.isatty():
+            out.write("\n")  # the shell prompt on a line of its own; not part of the document
+        out.flush()
+    except OSError:
+        pass  # the run is complete and checkpointed; emit() reported any earlier failure
     final = stats()
     display.summary(final)
     if stats_json is not None:
@@ -348,6 +514,10 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: Engine, out, display: 
         except OSError as e:
             raise UserError(f"could not write --stats-json {stats_json} ({e.strerror}); the run itself is complete in {rd.path}.") from None
     return 0
+
+
+def _int(v, upper: int) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= upper else 0
 
 
 def _rss() -> int:
@@ -375,67 +545,93 @@ def _open_out(path: Path | None, append_text: str | None = None):
 def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Path | None, quiet: bool, no_live: bool,
              stats_json: Path | None) -> int:
     display = Display(Display.choose(quiet, no_live))
+    # Cheapest first: what the user typed, then the model's files, then its weights.
     brief = read_prompt(prompt_source)
-    out = _open_out(out_path)
-    lm = load(cfg, display)
     text = apply_template(brief, cfg.template)
+    check_writable(out_path, "--out")
+    check_writable(stats_json, "--stats-json")
+    path = run_dir if run_dir is not None else default_run_dir(brief)
+    RunDir.check_new(path)
+    lm = open_model(cfg, display)
     ids = prompt_ids(lm.tok, text, cfg.raw)
-    path = run_dir or Path("runs") / f"{slug(brief)}-{time.strftime('%Y%m%d-%H%M%S')}"
-    engine = build_engine(cfg, lm, len(ids), len(ids) + cfg.tokens, display)
-    rd = RunDir.create(path, cfg.to_dict(), text, ids, lm.ref.fingerprint)
+    window = make_window(cfg, lm, len(ids), display)
+    load_weights(lm)
+    engine = build_engine(cfg, lm, window, len(ids) + cfg.tokens, display)
+    out = _open_out(out_path)
     try:
-        display.info(f"run directory: {rd.path}")
-        engine.start(ids)
-        fit_budget(engine, lm, cfg, display)
-        return run_loop(cfg, lm, rd, engine, out, display, stats_json)
+        rd = RunDir.create(path, cfg.to_dict(), text, ids, lm.ref.fingerprint)
+        try:
+            display.info(f"run directory: {rd.path}")
+            with interrupted_before_the_loop(rd):
+                engine.start(ids)
+                fit_budget(engine, lm)
+            return run_loop(cfg, lm, rd, engine, out, display, stats_json)
+        finally:
+            rd.close()
     finally:
-        rd.close()
         if out is not sys.stdout:
             out.close()
+
+
+def _resume_config(rd: RunDir, tokens: int | None) -> Config:
+    from .config import resolve as resolve_cfg
+
+    try:
+        cfg = resolve_cfg(None, {}, environ={}, base=rd.config)
+    except UsageError as e:
+        raise UserError(f"{rd.path / 'config.yaml'} is damaged ({e}); the run cannot be resumed.") from None
+    # The target: --tokens, else the last checkpoint's (a run extended before), else the one it started with.
+    saved = (rd.stats or {}).get("target")
+    target = tokens if tokens is not None else saved if _int(saved, 1 << 62) else cfg.tokens
+    return dataclasses.replace(cfg, tokens=target).validate({"tokens": "--tokens"} if tokens is not None else None)
 
 
 def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool, quiet: bool, no_live: bool,
            stats_json: Path | None) -> int:
     display = Display(Display.choose(quiet, no_live))
+    check_writable(out_path, "--out")
+    check_writable(stats_json, "--stats-json")
     rd = RunDir.open(run_dir)
     try:
-        from .config import resolve as resolve_cfg
-
-        try:
-            saved_target = (rd.stats or {}).get("target")
-            cfg = resolve_cfg(None, {"tokens": tokens if tokens is not None else saved_target}, environ={}, base=rd.config)
-        except UsageError as e:
-            if tokens is not None and tokens < 1:
-                raise
-            raise UserError(f"{run_dir}/config.yaml is damaged ({e}); the run cannot be resumed.") from None
+        cfg = _resume_config(rd, tokens)
         if rd.recovered:
             display.info(rd.recovered)
         for w in rd.warnings:
             display.info(w)
         if tokens is not None and tokens < len(rd.tokens):
             raise UsageError(f"--tokens {tokens} is less than the {len(rd.tokens)} tokens already written; give a larger target.")
-        if len(rd.tokens) >= cfg.tokens:
+        complete = len(rd.tokens) >= cfg.tokens
+        if not complete or rd.text_damaged:
+            pick_device(cfg)  # a missing GPU is reported before any model file is read
+            ref = resolve(cfg.model, log=display.info)
+            if ref.fingerprint != rd.fingerprint:
+                if not force:
+                    raise UserError(f"{run_dir} was written with another model (fingerprint {rd.fingerprint}, now "
+                                    f"{ref.fingerprint}); resuming would not continue the same text. "
+                                    "Use --force to do it anyway.")
+                display.info("resuming with a different model (--force): the continuation will differ from the original run.")
+            lm = open_model(cfg, display, ref)
+            if rd.text_damaged:
+                rd.replace_text(lm.tok.decode(rd.tokens, skip_special_tokens=False))
+                if complete:
+                    rd.checkpoint(rd.stats, rd.drafter_state(), finished=rd.finished)
+                display.info("output.txt was damaged and has been rebuilt from the token ids.")
+        if complete:
             display.info(f"{run_dir} is already complete ({len(rd.tokens)} tokens); pass --tokens N to write more.")
             if out_path is not None:
                 _open_out(out_path, (rd.path / "output.txt").read_text(encoding="utf-8")).close()
             return 0
-        lm = load(cfg, display)
-        if lm.ref.fingerprint != rd.fingerprint:
-            if not force:
-                raise UserError(f"{run_dir} was written with another model (fingerprint {rd.fingerprint}, now "
-                                f"{lm.ref.fingerprint}); resuming would not continue the same text. Use --force to do it anyway.")
-            display.info("resuming with a different model (--force): the continuation will differ from the original run.")
-        if rd.text_damaged:
-            rd.replace_text(lm.tok.decode(rd.tokens, skip_special_tokens=False))
-            display.info("output.txt was damaged and has been rebuilt from the token ids.")
-        existing = (rd.path / "output.txt").read_text(encoding="utf-8") if out_path is not None else None
-        out = _open_out(out_path, existing)
-        engine = build_engine(cfg, lm, len(rd.prompt_ids), len(rd.prompt_ids) + cfg.tokens, display)
+        window = make_window(cfg, lm, len(rd.prompt_ids), display)
+        load_weights(lm)
+        engine = build_engine(cfg, lm, window, len(rd.prompt_ids) + cfg.tokens, display)
         for w in engine.load_drafter_state(unpack_state(rd.drafter_state())):
             display.info(w)
-        engine.start(rd.prompt_ids + rd.tokens)
-        fit_budget(engine, lm, cfg, display)
+        with interrupted_before_the_loop(rd):
+            engine.start(rd.prompt_ids + rd.tokens)
+            fit_budget(engine, lm)
         display.info(f"resuming {rd.path} at {len(rd.tokens)}/{cfg.tokens} tokens")
+        existing = (rd.path / "output.txt").read_text(encoding="utf-8") if out_path is not None else None
+        out = _open_out(out_path, existing)
         try:
             return run_loop(cfg, lm, rd, engine, out, display, stats_json)
         finally:

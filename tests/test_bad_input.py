@@ -1,0 +1,236 @@
+"""The bad-input battery: every option given nonsense, prompts, YAML, models and run directories that are
+wrong. Each case must exit non-zero (2 for a usage error, 1 for anything else), print exactly one readable
+line on stderr and no traceback, and leave nothing behind that looks like a run.
+
+Almost every case is refused before the model is loaded, so the battery runs in seconds; the few that need
+a real tokenizer or transformers (a truncated weight file, a garbage .gguf) say so in their id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from swiftwrite import store
+from swiftwrite.config import Config
+from swiftwrite.rundir import RunDir
+
+HAS_CUDA = torch.cuda.is_available()
+NUMERIC_BAD = [  # (option, value): every numeric option given a non-number, a negative and an out-of-range value
+    ("tokens", "abc"), ("tokens", "0"), ("tokens", "-5"), ("tokens", "1.5"), ("tokens", "99999999999"),
+    ("temperature", "abc"), ("temperature", "-1"), ("temperature", "inf"),
+    ("top-p", "abc"), ("top-p", "1.5"), ("top-p", "0"), ("top-p", "-0.5"),
+    ("min-p", "abc"), ("min-p", "-0.1"), ("min-p", "2"),
+    ("top-k", "abc"), ("top-k", "-1"),
+    ("penalty", "abc"), ("penalty", "0.5"), ("penalty", "-2"),
+    ("penalty-window", "abc"), ("penalty-window", "-1"),
+    ("chunk", "abc"), ("chunk", "0"), ("chunk", "-8"),
+    ("budget", "abc"), ("budget", "0"), ("budget", "-4"),
+    ("context", "abc"), ("context", "-1"),
+    ("threads", "abc"), ("threads", "-1"),
+    ("seed", "abc"), ("seed", "-1"), ("seed", "1.5"),
+]
+NAMES_BAD = [("draft", "everything"), ("template", "poem"), ("device", "tpu"), ("dtype", "int4")]
+
+# (id, argv, expected exit status, stdin). {placeholders} are paths from the `world` fixture; {run} is a fresh
+# path per case that must not exist afterwards. Every generate gets --draft none and a tiny --tokens.
+GEN = ["generate", "{prompt}", "--run-dir", "{run}", "--draft", "none", "--tokens", "4"]
+CASES = [
+    *[(f"--{o}={v}", [*GEN, f"--{o}={v}"], 2, None) for o, v in NUMERIC_BAD],
+    *[(f"--{o}={v}", [*GEN, f"--{o}", v], 2, None) for o, v in NAMES_BAD],
+    ("missing-option-value", ["generate", "{prompt}", "--run-dir", "{run}", "--tokens"], 2, None),
+    ("unknown-option", [*GEN, "--speed", "fast"], 2, None),
+    ("no-prompt-argument", ["generate"], 2, None),
+    ("unknown-command", ["write", "{prompt}"], 2, None),
+    ("env-wrong-type", [*GEN[:-2], "SWIFTWRITE_TEMPERATURE=hot"], 2, None),
+    ("env-out-of-range", [*GEN[:-2], "SWIFTWRITE_TOP_P=7"], 2, None),
+    # prompts
+    ("prompt-missing", [*GEN[:1], "{tmp}/no-such-prompt.txt", *GEN[2:]], 1, None),
+    ("prompt-empty", [*GEN[:1], "{empty}", *GEN[2:]], 1, None),
+    ("prompt-whitespace-only", [*GEN[:1], "{blank}", *GEN[2:]], 1, None),
+    ("prompt-binary", [*GEN[:1], "{binary}", *GEN[2:]], 1, None),
+    ("prompt-not-utf8", [*GEN[:1], "{latin1}", *GEN[2:]], 1, None),
+    ("prompt-directory", [*GEN[:1], "{tmp}", *GEN[2:]], 1, None),
+    ("prompt-over-1MB", [*GEN[:1], "{huge}", *GEN[2:]], 1, None),
+    ("stdin-empty", [*GEN[:1], "-", *GEN[2:]], 1, b""),
+    ("stdin-binary", [*GEN[:1], "-", *GEN[2:]], 1, b"\x7fELF\x00\x00\x01"),
+    # YAML
+    ("yaml-malformed", [*GEN, "--config", "{yaml_malformed}"], 2, None),
+    ("yaml-a-list", [*GEN, "--config", "{yaml_list}"], 2, None),
+    ("yaml-wrong-type", [*GEN, "--config", "{yaml_wrong_type}"], 2, None),
+    ("yaml-unknown-key", [*GEN, "--config", "{yaml_unknown}"], 2, None),
+    ("yaml-out-of-range", [*GEN, "--config", "{yaml_range}"], 2, None),
+    ("yaml-missing-file", [*GEN, "--config", "{tmp}/absent.yaml"], 2, None),
+    ("yaml-directory", [*GEN, "--config", "{tmp}"], 2, None),
+    # models
+    ("model-unknown-alias", [*GEN, "--model", "gpt-17"], 1, None),
+    ("model-missing-path", [*GEN, "--model", "{tmp}/no-such-model"], 1, None),
+    ("model-missing-hub-id", [*GEN, "--model", "nobody/no-such-model"], 1, None),
+    ("model-dir-without-config", [*GEN, "--model", "{model_noconfig}"], 1, None),
+    ("model-dir-corrupt-config", [*GEN, "--model", "{model_badjson}"], 1, None),
+    ("model-dir-config-not-a-model", [*GEN, "--model", "{model_notmodel}"], 1, None),
+    ("model-dir-unsupported-arch", [*GEN, "--model", "{model_gpt2}"], 1, None),
+    ("model-dir-no-tokenizer [loads transformers]", [*GEN, "--model", "{model_notok}"], 1, None),
+    ("model-dir-truncated-safetensors [loads tokenizer]", [*GEN, "--model", "{model_truncated}"], 1, None),
+    ("model-gguf-garbage", [*GEN, "--model", "{gguf}"], 1, None),
+    ("model-gguf-missing", [*GEN, "--model", "{tmp}/absent.gguf"], 1, None),
+    ("models-pull-unknown", ["models", "pull", "gpt-17"], 1, None),
+    # outputs and run directories
+    ("out-into-missing-dir", [*GEN, "--out", "{tmp}/no/such/dir/out.txt"], 1, None),
+    ("out-is-a-directory", [*GEN, "--out", "{tmp}"], 1, None),
+    ("stats-json-into-missing-dir", [*GEN, "--stats-json", "{tmp}/no/such/stats.json"], 1, None),
+    ("run-dir-is-an-existing-run", [*GEN[:3], "{good_run}", *GEN[4:]], 1, None),
+    ("run-dir-is-a-file", [*GEN[:3], "{prompt}", *GEN[4:]], 1, None),
+    ("run-dir-under-a-file", [*GEN[:3], "{prompt}/run", *GEN[4:]], 1, None),
+    pytest.param("device-cuda-without-gpu", [*GEN, "--device", "cuda"], 1, None,
+                 marks=pytest.mark.skipif(HAS_CUDA, reason="a GPU is present")),
+    pytest.param("dtype-float16-on-cpu", [*GEN, "--dtype", "float16"], 1, None,
+                 marks=pytest.mark.skipif(HAS_CUDA, reason="a GPU is present")),
+    # resume
+    ("resume-missing-path", ["resume", "{tmp}/no-such-run"], 1, None),
+    ("resume-a-file", ["resume", "{prompt}"], 1, None),
+    ("resume-an-empty-dir", ["resume", "{empty_dir}"], 1, None),
+    ("resume-garbage-meta", ["resume", "{run_garbage_meta}"], 1, None),
+    ("resume-truncated-tokens", ["resume", "{run_truncated_tokens}"], 1, None),
+    ("resume-flipped-tokens", ["resume", "{run_flipped_tokens}"], 1, None),
+    ("resume-both-states-garbage", ["resume", "{run_bad_state}"], 1, None),
+    ("resume-damaged-config", ["resume", "{run_bad_config}"], 1, None),
+    ("resume-tokens-abc", ["resume", "{good_run}", "--tokens", "abc"], 2, None),
+    ("resume-tokens-zero", ["resume", "{good_run}", "--tokens", "0"], 2, None),
+    ("resume-tokens-below-written", ["resume", "{good_run}", "--tokens", "2"], 2, None),
+    ("resume-out-into-missing-dir", ["resume", "{good_run}", "--out", "{tmp}/no/such/out.txt"], 1, None),
+]
+
+
+def _ids(case) -> str:
+    return case.values[0] if hasattr(case, "values") else case[0]
+
+
+def make_run(path: Path, n_tokens: int = 6) -> Path:
+    """A small valid run directory, written through the real RunDir (no model needed)."""
+    with RunDir.create(path, Config(tokens=n_tokens, draft="none").to_dict(), "a brief", [1, 2, 3], "fingerprint0") as rd:
+        rd.append(list(range(10, 10 + n_tokens)), "x" * n_tokens)
+        rd.checkpoint({"target": n_tokens}, finished=True)
+    (path / "lock").unlink()
+    return path
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, default_model_dir) -> dict[str, Path]:
+    t = tmp_path_factory.mktemp("bad-input")
+    w = {"tmp": t}
+
+    def file(name, data: bytes) -> Path:
+        (t / name).write_bytes(data)
+        w[name.split(".")[0]] = t / name
+        return t / name
+
+    file("prompt.txt", b"Write one sentence about rain.\n")
+    file("empty.txt", b"")
+    file("blank.txt", b"  \n\t\n   ")
+    file("binary.txt", b"Write about \x00\x01\x02 rain")
+    file("latin1.txt", "Écris une phrase sur la pluie, café.".encode("latin-1"))
+    file("huge.txt", b"word " * ((1 << 20) // 5 + 1))
+    file("yaml_malformed.yaml", b"tokens: [4\ndraft: none\n")
+    file("yaml_list.yaml", b"- tokens\n- 4\n")
+    file("yaml_wrong_type.yaml", b"tokens: many\n")
+    file("yaml_unknown.yaml", b"tokens: 4\nspeed: fast\n")
+    file("yaml_range.yaml", b"top_p: 3\n")
+    file("gguf.gguf", b"GGUF" + os.urandom(4096))
+
+    def model_dir(name, files: dict[str, bytes]) -> Path:
+        d = t / name
+        d.mkdir()
+        for f, data in files.items():
+            (d / f).write_bytes(data)
+        w[name] = d
+        return d
+
+    real = Path(default_model_dir)
+    config = (real / "config.json").read_bytes()
+    tokenizer = {f.name: f.read_bytes() for f in real.iterdir() if f.name.startswith(("tokenizer", "chat_template"))}
+    with open(real / "model.safetensors", "rb") as fh:
+        head = fh.read(200_000)  # header and the start of the first tensor, nothing more
+    model_dir("model_noconfig", {"model.safetensors": head})
+    model_dir("model_badjson", {"config.json": b'{"model_type": "llama", "vocab_size": ', "model.safetensors": head})
+    model_dir("model_notmodel", {"config.json": b'["llama"]', "model.safetensors": head})
+    model_dir("model_gpt2", {"config.json": b'{"model_type": "gpt2", "vocab_size": 10, "hidden_size": 8, '
+                                            b'"intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1}'})
+    model_dir("model_notok", {"config.json": config, "model.safetensors": head})
+    model_dir("model_truncated", {"config.json": config, "model.safetensors": head, **tokenizer})
+
+    (t / "empty_dir").mkdir()
+    w["empty_dir"] = t / "empty_dir"
+    w["good_run"] = make_run(t / "good_run")
+    g = make_run(t / "run_garbage_meta")
+    (g / "meta.json").write_bytes(b"\x00garbage{")
+    w["run_garbage_meta"] = g
+    g = make_run(t / "run_truncated_tokens")
+    with open(g / "tokens.bin", "r+b") as fh:
+        fh.truncate(10)
+    w["run_truncated_tokens"] = g
+    g = make_run(t / "run_flipped_tokens")
+    data = bytearray((g / "tokens.bin").read_bytes())
+    data[5] ^= 0xFF
+    (g / "tokens.bin").write_bytes(bytes(data))
+    w["run_flipped_tokens"] = g
+    g = make_run(t / "run_bad_state")
+    (g / "state.json").write_text("{")
+    (g / "state.prev.json").write_text("[]")
+    w["run_bad_state"] = g
+    g = make_run(t / "run_bad_config")
+    (g / "config.yaml").write_text("tokens: 6\ntemperature: warm\n")
+    w["run_bad_config"] = g
+    return w
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file under root (lock files aside: taking a lock is not a change) and a hash of its bytes."""
+    out = {}
+    for f in sorted(root.rglob("*")):
+        if f.is_file() and f.name != "lock":
+            out[str(f.relative_to(root))] = hashlib.sha256(f.read_bytes()).hexdigest()
+        elif f.is_dir():
+            out[str(f.relative_to(root)) + "/"] = ""
+    return out
+
+
+@pytest.mark.parametrize("case_id, argv, code, stdin", CASES, ids=[_ids(c) for c in CASES])
+def test_bad_input_fails_with_one_sentence_and_leaves_nothing(world, tmp_path, case_id, argv, code, stdin):
+    run = tmp_path / "run"
+    paths = {k: str(v) for k, v in world.items()} | {"run": str(run)}
+    env = dict(os.environ)
+    args = []
+    for a in argv:
+        if "=" in a and a.split("=")[0].startswith("SWIFTWRITE_"):
+            env[a.split("=")[0]] = a.split("=", 1)[1]
+        else:
+            args.append(a.format(**paths))
+    models = store.home() / "models"
+    before_world, before_models = snapshot(world["tmp"]), sorted(p.name for p in models.iterdir()) if models.is_dir() else []
+
+    proc = subprocess.run([sys.executable, "-m", "swiftwrite.cli", *args], input=stdin or b"", capture_output=True,
+                          cwd=tmp_path, env=env, timeout=120)
+
+    err = proc.stderr.decode("utf-8", errors="replace")
+    assert proc.returncode == code, f"exit {proc.returncode}, expected {code}; stderr: {err}"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{err}"
+    assert "Traceback" not in err and lines[0].startswith("swiftwrite: ") and len(lines[0]) < 400, err
+    assert len(lines[0].split()) >= 4, err  # a sentence, not a bare exception name
+    assert proc.stdout == b"", "nothing goes to standard output when nothing was written"
+    # nothing behind that looks valid: no new run, no file in the fixtures touched, no half-imported model
+    assert not run.exists(), f"{run} was created"
+    assert not list(tmp_path.rglob("meta.json")), "a run directory was created"
+    assert snapshot(world["tmp"]) == before_world, "the fixtures were modified"
+    assert (sorted(p.name for p in models.iterdir()) if models.is_dir() else []) == before_models
+
+
+def test_the_battery_is_big_enough():
+    assert len(CASES) >= 40
