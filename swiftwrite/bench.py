@@ -109,6 +109,10 @@ def run(methods: list[str], settings: list[str], prompts: list[Path], tokens: in
             raise UsageError(f"{p} ({len(ids)} tokens) plus {tokens} new tokens does not fit the model's "
                              f"{lm.model.cfg.max_positions} positions; use fewer --tokens.")
         prompt_ids[p.name] = ids
+    # Warm-up, untimed: the first forwards of each shape pay for allocator and kernel set-up.
+    first = next(iter(prompt_ids.values()))
+    for method in {"none", "all", *(m for m in methods if m.startswith("hf"))} & set(methods) | {"none"}:
+        _one(method, SETTINGS["greedy"], first, 16, lm, hf, display)
     results: dict[tuple, Result] = {}
     for rep in range(repeats):
         for setting in settings:

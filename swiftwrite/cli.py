@@ -84,6 +84,33 @@ def resume(
     raise typer.Exit(run(run_dir, n, out, force, quiet, no_live, stats_json))
 
 
+@app.command()
+def bench(
+    methods: Optional[str] = Opt(None, help="Comma-separated: hf, hf-lookup, none, recycling, recycling-static, ngram, all, all-b2..b16."),
+    settings: str = Opt("greedy,sample", help="Comma-separated: greedy, sample (penalty on), greedy-nopenalty."),
+    prompts: str = Opt("lighthouse.txt", help="Comma-separated prompt files from prompts/ (or paths)."),
+    tokens: Optional[str] = Opt(None, help="New tokens per run (default 2000; 300 with --quick)."),
+    repeats: Optional[str] = Opt(None, help="Repeats per method (median reported; default 1)."),
+    quick: bool = Opt(False, "--quick", help="hf, none and all, greedy only, 300 tokens: about two minutes."),
+    out: Optional[Path] = Opt(None, help="Directory for bench.json and bench.md."),
+):
+    """Measure every decoding method side by side on this machine (interleaved, same prompts and settings)."""
+    from .bench import DEFAULT, QUICK, markdown, run
+    from .config import coerce
+    from .writer import TEMPLATE_DIRS
+
+    n = coerce("tokens", tokens, "command line") if tokens is not None else (300 if quick else 2000)
+    reps = coerce("chunk", repeats, "command line") if repeats is not None else 1
+    names = methods.split(",") if methods else (QUICK if quick else DEFAULT)
+    setting_names = ["greedy"] if quick and settings == "greedy,sample" else settings.split(",")
+    files = [next((d / p for d in (Path("."), *TEMPLATE_DIRS) if (d / p).is_file()), Path(p)) for p in prompts.split(",")]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise UsageError(f"prompt file(s) {', '.join(missing)} not found; give files in prompts/ or paths.")
+    report = run(names, setting_names, files, n, reps, out, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(markdown(report))
+
+
 @models_app.command("list")
 def models_list():
     """Every alias, whether it is available locally, where, and its size."""

@@ -101,6 +101,7 @@ class Engine:
             grown[: self.n] = self.S[: self.n]
             self.S = grown
 
+    @torch.inference_mode()
     def start(self, history: list[int]) -> None:
         """Take the committed sequence (prompt, or prompt + output on resume) and fill the cache."""
         self._ensure_capacity(len(history) + 1)
@@ -137,6 +138,7 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def step(self, remaining: int) -> Step:
         rebuilt = False
         if self.n >= self.span[1]:

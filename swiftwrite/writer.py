@@ -335,8 +335,18 @@ def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display:
 
     from . import budget as budget_mod
 
+    from .engine import COST_BUCKET
+
     key = f"{lm.ref.fingerprint}/{lm.model.device.type}/{str(lm.model.dtype)}/{torch.get_num_threads()}t"
-    engine.cost = budget_mod.cached_curve(home() / "cost_curves.json", key, lambda: budget_mod.measure(lm.model, engine.cache))
+
+    def cost_at(cache):
+        # measured once per model, device, dtype, thread count and 1K-token context bucket, then cached on disk
+        bucket = cache.length // COST_BUCKET
+        return budget_mod.cached_curve(home() / "cost_curves.json", f"{key}/ctx{bucket}",
+                                       lambda: budget_mod.measure(lm.model, cache))
+
+    engine.cost_at = cost_at
+    engine.cost = cost_at(engine.cache)
 
 
 def pack_state(state: dict) -> bytes | None:
