@@ -29,6 +29,7 @@ METHODS = {
     "recycling": ("recycling", "auto", False),
     "recycling-static": ("recycling", "auto", True),
     "ngram": ("ngram", "auto", False),
+    "heads": ("heads", "auto", False),
     "all": ("all", "auto", False),
     "all-b2": ("all", "2", False),
     "all-b4": ("all", "4", False),
@@ -36,7 +37,7 @@ METHODS = {
     "all-b16": ("all", "16", False),
 }
 QUICK = ["hf", "none", "all"]
-DEFAULT = ["hf", "hf-lookup", "none", "recycling", "ngram", "all", "all-b4", "all-b16"]
+DEFAULT = ["hf", "hf-lookup", "none", "recycling", "ngram", "heads", "all", "all-b4", "all-b16"]
 SETTINGS = {
     "greedy": dict(temperature=0.0, min_p=0.0, penalty=1.2),
     "sample": dict(temperature=0.7, min_p=0.1, penalty=1.2),

@@ -111,6 +111,31 @@ def bench(
     print(markdown(report))
 
 
+@app.command("train-heads")
+def train_heads(
+    model: str = Opt("smollm2-135m", help="The model to train heads for (any --model form)."),
+    data: Optional[Path] = Opt(None, help="Plain text file or directory of text files."),
+    self_distill: bool = Opt(False, "--self-distill", help="Let the model write its own training text first."),
+    steps: Optional[str] = Opt(None, help="Optimizer steps (default 400)."),
+    batch: Optional[str] = Opt(None, help="Positions per step (default 512)."),
+    lr: Optional[str] = Opt(None, help="Peak learning rate (default 0.02)."),
+    seq_len: Optional[str] = Opt(None, help="Longest sequence run through the model (default 2048)."),
+    out: Optional[Path] = Opt(None, help="Heads file (default $SWIFTWRITE_HOME/heads/<model>.safetensors)."),
+):
+    """Train TokenSwift multi-token heads on the frozen model (backbone states computed once, no autograd)."""
+    from .config import coerce
+    from .store import resolve
+    from .train_heads import train
+
+    kw = {}
+    for name, value, kind in (("steps", steps, "chunk"), ("batch", batch, "chunk"), ("lr", lr, "temperature"),
+                              ("seq_len", seq_len, "chunk")):
+        if value is not None:
+            kw[name] = coerce(kind, value, "command line")
+    ref = resolve(model, log=_say)
+    train(ref.path, data=data, self_distill=self_distill, out=out, log=_say, progress=True, **kw)
+
+
 @models_app.command("list")
 def models_list():
     """Every alias, whether it is available locally, where, and its size."""

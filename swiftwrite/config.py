@@ -16,7 +16,7 @@ import yaml
 
 from .errors import UsageError
 
-DRAFT_CHOICES = ("none", "recycling", "ngram", "all")
+DRAFT_CHOICES = ("none", "recycling", "ngram", "heads", "all")
 TEMPLATES = ("novel", "report", "none")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -40,7 +40,7 @@ class Config:
     penalty_window: int = 1024  # W: the penalty sees the last W tokens, prompt included
     stop_at_eos: bool = False  # stop at end-of-text instead of writing exactly `tokens`
     chunk: int = 256  # tokens between checkpoints (token file flushed, state written atomically)
-    draft: str = "all"  # none | recycling | ngram | all
+    draft: str = "all"  # none | recycling | ngram | heads | all (heads join "all" when trained ones match the model)
     budget: str = "auto"  # draft nodes per step: auto (fitted to this machine's cost curve) or 1..63
     static_tree: bool = False  # recycling: use the paper's static 81-node tree instead of the budgeted one
     context: int = 0  # tokens the model attends to; 0 = the model's window. Past it the context is rebuilt

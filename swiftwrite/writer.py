@@ -298,10 +298,11 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
         penalty=cfg.penalty, window=cfg.penalty_window, suppress=() if cfg.stop_at_eos else stops, seed=cfg.seed,
     )
-    # "all" = the train-free sources; the multi-token heads need trained weights the writer does not load yet.
-    every = [name for name in SOURCES if name in ("recycling", "ngram")]
-    names = [] if cfg.draft == "none" else (every if cfg.draft == "all" else [cfg.draft])
-    sources, stats = make_sources(names, model.cfg.vocab_size, static_tree=cfg.static_tree)
+    names = [] if cfg.draft == "none" else (list(SOURCES) if cfg.draft == "all" else [cfg.draft])
+    heads = load_head_drafter(lm, required=cfg.draft == "heads", display=display) if "heads" in names else None
+    if heads is None and "heads" in names:
+        names.remove("heads")  # "all" without heads for this model: the train-free sources alone
+    sources, stats = make_sources(names, model.cfg.vocab_size, static_tree=cfg.static_tree, heads=heads)
     fixed = None
     if names and cfg.budget != "auto":
         fixed = int(cfg.budget)
@@ -315,6 +316,26 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
     display.info(f"KV cache: {human_bytes(engine.cache.nbytes)} for a {window.context}-token context on "
                  f"{lm.device}/{str(lm.dtype).replace('torch.', '')}")
     return engine
+
+
+def load_head_drafter(lm: Loaded, required: bool, display: Display):
+    """The heads factory for this model (its own trained heads, else the shipped ones), or None. Missing or
+    unusable heads are an error for --draft heads and a notice for --draft all."""
+    from .heads import HeadsDrafter, HeadsError, default_heads_path, load_heads
+
+    path = default_heads_path(lm.ref.fingerprint)
+    if path is None:
+        if required:
+            raise UserError(f"no trained heads match {lm.ref.name}; train them with `swiftwrite train-heads --model "
+                            f"{lm.ref.name} --self-distill` or use --draft all.")
+        return None
+    try:
+        return HeadsDrafter.factory(load_heads(path, lm.model, lm.ref.fingerprint), lm.model)
+    except HeadsError as e:
+        if required:
+            raise
+        display.info(f"heads not used: {e}")
+        return None
 
 
 def _available_memory() -> int | None:

@@ -1,0 +1,530 @@
+"""Training the multi-token heads (heads.py) on a frozen model: data in, a heads file out.
+
+The backbone never enters autograd. Its hidden states (before the final norm) are computed once for the
+whole data set under `torch.inference_mode()` and kept in memory ([tokens, hidden] float32: 50K tokens of
+a 576-wide model are 115 MB); every training step then costs only the heads and LM-head products over a
+batch of cached positions. That is what makes a useful training run take minutes on a 2-core CPU.
+
+The softmax runs over the heads' vocabulary (heads.py): the data's most frequent tokens, at most `vocab`
+of them. That makes a step's LM-head products several times cheaper than over 49K ids, and it is the same
+softmax the drafter uses. A target outside that vocabulary is left out of the loss and counted as a miss in
+the held-out accuracy.
+
+The loss of head i at position t is, by default, the cross-entropy against the model's own distribution
+for the token at t + 1 + i (its LM head at t + i, which the cached hidden states give for free) instead of
+the one token the text contains there. On 45K self-distilled tokens that soft target lifted held-out top-1
+of head 1 from 11% to 13% and of heads 2-3 from 7.5/6% to 8.5/7.5%, and stopped the overfitting that hard
+targets showed after ~300 steps.
+
+Self-distillation (`self_distill=True`) lets the model write its own training text first, from the
+long-form prompt templates with the long-form sampling settings: text like what the heads will see.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .errors import UserError
+from .heads import GAMMA, Heads, save_heads
+from .model import linear, rms_norm
+
+HELD_OUT = 0.1  # every tenth sequence is kept out of training, for the accuracy report
+WARMUP = 0.1  # share of the steps spent warming the learning rate up linearly (the paper: 50 of 200 steps)
+PREFILL_CHUNK = 256  # tokens per forward for the hidden states: 1.5x faster than whole 1.5K windows on a CPU
+MAX_DATA_BYTES = 16 << 20  # text read at most (about 4M tokens)
+HIDDEN_BYTES = 2 << 30  # cap on the cached hidden states: 0.9M tokens of a 576-wide model, 130K of a 4096-wide one
+
+# ---------------------------------------------------------------------------------------------------------
+# Self-distillation: the model writes its own training text
+
+# Briefs for the long-form templates. Ordered so that the held-out tail (the last ~10% of sequences) is
+# a novel and a report whose briefs were never trained on.
+BRIEFS = [
+    ("novel", "A lighthouse keeper on a remote northern island finds a stranger washed ashore after a storm, and "
+              "over one winter the two of them uncover why the light has been failing."),
+    ("report", "The state of public libraries in mid-sized cities: funding, usage since 2010, digital lending and "
+               "what libraries could become in the next decade."),
+    ("novel", "Two sisters inherit their grandmother's failing vineyard in the hills and must decide, over one "
+              "harvest, whether to sell it to a developer or save it."),
+    ("novel", "A young cartographer in a desert empire is sent to map a city that does not appear on any older "
+              "map, and finds that its people remember her."),
+    ("report", "Urban heat islands: causes, measured temperature differences, health effects on older residents, "
+               "and the cost and benefit of trees, cool roofs and water."),
+    ("novel", "A retired detective in a seaside town is asked by a teenage girl to find her missing brother, and "
+              "the case leads back to his own last unsolved investigation."),
+    ("novel", "On a generation ship two hundred years from Earth, the ship's gardener discovers that the crops are "
+              "dying for a reason the council is hiding."),
+    ("report", "Small farms and climate change: drought, soil health, crop insurance and the practices that have "
+               "kept family farms profitable in dry years."),
+    ("novel", "A travelling musician in the 1920s arrives in a mining town on the night of a disaster and stays to "
+              "help, falling in with the union organiser and the mine owner's son."),
+    ("novel", "A chef who has lost her sense of taste after an illness opens a tiny restaurant anyway, and cooks "
+              "from the memories of her customers."),
+    ("report", "Remote work five years on: productivity evidence, office vacancy, effects on junior employees and "
+               "on city centres, and policies that worked."),
+    ("novel", "A boy raised by his grandfather on a canal barge sets out alone to deliver a letter his grandfather "
+              "never sent, across a country at war."),
+    ("novel", "In a mountain village cut off by snow, the schoolteacher keeps a diary of the winter in which every "
+              "household has a secret and a wolf is seen at the church."),
+    ("report", "Plastic waste in rivers and oceans: sources, how much is recycled, the economics of deposit schemes, "
+               "and which bans reduced litter."),
+    ("novel", "An archivist restoring a water-damaged ship's log finds entries describing a voyage that history "
+              "says never happened, and follows them to a living descendant."),
+    ("report", "Sleep and teenagers: school start times, screens, measured effects on grades and mood, and what "
+               "schools that changed their schedule found."),
+]
+
+DISTILL_SAMPLING = dict(temperature=0.7, min_p=0.1, repetition_penalty=1.2)  # the long-form settings (DESIGN §5)
+
+
+def write_selfdistill(model_dir: Path, out: Path, new_tokens: int = 1536, copies: int = 2, seed: int = 0,
+                 log=print) -> Path:
+    """Let the model write `copies` samples per brief, `new_tokens` each, in one batch; save the texts to
+    `out` (documents separated by a form feed on its own line) and return `out`.
+
+    One batched `generate` reads the weights once per step for the whole batch: 32 sequences of the default
+    model ran at 80 tokens/s at first and 46 on average over 1536 tokens (a shared 2-core CPU: 18 minutes),
+    against ~14 for one sequence. End-of-text is suppressed (as the writer does until the target is
+    reached), so every sample is `new_tokens` long.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria
+
+    from .writer import apply_template, prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    prompts = [prompt_ids(tok, apply_template(brief, kind), raw=False) for kind, brief in BRIEFS for _ in range(copies)]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding: all rows end together
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    gen_eos = hf.generation_config.eos_token_id
+    eos = sorted({tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
+    start = time.time()
+
+    class Report(StoppingCriteria):  # called once per generated token: a progress line, never a stop
+        def __call__(self, input_ids, scores, **kw):
+            done = input_ids.shape[1] - width
+            if done % 128 == 0 and done:
+                rate = done * len(prompts) / (time.time() - start)
+                log(f"self-distill: {done}/{new_tokens} tokens per sample x {len(prompts)} ({rate:.0f} tok/s)")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        gen = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, suppress_tokens=eos or None, pad_token_id=pad,
+                          stopping_criteria=[Report()], **DISTILL_SAMPLING)
+    # NUL would make the file look binary and a form feed would split a sample: neither belongs in prose
+    texts = [tok.decode(row[width:], skip_special_tokens=True).replace("\x00", "").replace("\f", "\n").strip()
+             for row in gen]
+    atomic_write_text(out, "\n\f\n".join(texts) + "\n")
+    log(f"self-distill: wrote {len(texts)} samples, {gen[:, width:].numel()} tokens, to {out} "
+        f"in {time.time() - start:.0f} s")
+    return out
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training data: text files -> token windows
+
+
+def read_texts(data: Path) -> tuple[list[str], str]:
+    """The documents in `data` (a UTF-8 text file, or a directory whose every non-hidden file is one) and a
+    description for the metadata. One-line UserErrors for anything that is not usable text."""
+    data = Path(data)
+    if not data.exists():
+        raise UserError(f"training data {data} does not exist.")
+    if data.is_dir():
+        files = sorted(p for p in data.rglob("*")
+                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(data).parts))
+        if not files:
+            raise UserError(f"training data directory {data} has no files; put plain-text files in it.")
+    else:
+        files = [data]
+    texts, total = [], 0
+    for f in files:
+        try:
+            raw = f.read_bytes()[: MAX_DATA_BYTES - total]
+        except OSError as e:
+            raise UserError(f"training data {f} cannot be read ({e.strerror}).") from None
+        if b"\x00" in raw:
+            raise UserError(f"training data {f} looks binary (it contains NUL bytes); give plain UTF-8 text.")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if e.start < len(raw) - 4 or total + len(raw) < MAX_DATA_BYTES:  # not just a character cut by the cap
+                raise UserError(f"training data {f} is not UTF-8 text (byte {e.start}); convert it to UTF-8.") from None
+            text = raw[: e.start].decode("utf-8")
+        total += len(raw)
+        if text.strip():
+            texts.extend(t for t in text.split("\f") if t.strip())  # self-distilled files separate samples by \f
+        if total >= MAX_DATA_BYTES:
+            break
+    if not texts:
+        raise UserError(f"training data {data} is empty; give a file (or directory of files) with text in it.")
+    what = f"{data.name} ({len(files)} file{'s' * (len(files) != 1)}, {total / 1e6:.2f} MB)"
+    return texts, what
+
+
+def token_windows(tok, texts: list[str], seq_len: int, where: str) -> list[np.ndarray]:
+    """Each document cut into windows of `seq_len` tokens; each window starts at the beginning of a document
+    or continues one, so its hidden states see the context the text was written in. A document's tail
+    shorter than a quarter window is dropped."""
+    windows: list[np.ndarray] = []
+    total = 0
+    for t in texts:
+        ids = np.asarray(tok(t.strip(), add_special_tokens=False)["input_ids"], dtype=np.int64)
+        total += len(ids)
+        for a in range(0, len(ids), seq_len):
+            if len(ids) - a >= max(seq_len // 4, 2) or a == 0 and len(ids) >= 2:
+                windows.append(ids[a : a + seq_len])
+    if total < 2 * seq_len or len(windows) < 2:
+        raise UserError(f"training data {where} has {total} tokens; training needs at least 2 x --seq-len = "
+                        f"{2 * seq_len} (one sequence to train on, one held out): give more text or a smaller --seq-len.")
+    return windows
+
+
+@torch.inference_mode()
+def hidden_states(model, windows: list[np.ndarray], log=print) -> torch.Tensor:
+    """The backbone's hidden states before the final norm for every window, concatenated [tokens, D],
+    computed once: no LM-head product (logits_for is empty) and nothing for autograd to trace."""
+    n = len(windows)
+    out = torch.empty(sum(len(w) for w in windows), model.cfg.hidden_size, dtype=torch.float32)
+    cache = model.new_cache(max(len(w) for w in windows))
+    start, last, at = time.time(), time.time(), 0
+    for k, w in enumerate(windows):
+        cache.length = 0
+        ids = torch.from_numpy(np.ascontiguousarray(w)).to(model.device)
+        for a in range(0, len(w), PREFILL_CHUNK):
+            piece = ids[a : a + PREFILL_CHUNK]
+            pos = torch.arange(a, a + len(piece), device=model.device)
+            _, h = model.forward(piece, pos, cache, logits_for=slice(0, 0))
+            cache.length += len(piece)
+            out[at : at + len(piece)] = h.float().cpu()
+            at += len(piece)
+        if time.time() - last > 15 or k == n - 1:
+            last = time.time()
+            log(f"hidden states: {k + 1}/{n} sequences ({at / (last - start + 1e-9):.0f} tok/s)")
+    return out
+
+
+def targets(windows: list[np.ndarray], gamma: int) -> np.ndarray:
+    """[tokens, γ]: for the hidden state at t, head i's target is the token at t + 1 + i of the same window,
+    or -1 past the window's end."""
+    parts = []
+    for w in windows:
+        out = np.full((len(w), gamma), -1, dtype=np.int64)
+        for i in range(1, gamma + 1):
+            out[: max(0, len(w) - 1 - i), i - 1] = w[1 + i :]
+        parts.append(out)
+    return np.concatenate(parts)
+
+
+def choose_vocab(train_targets: np.ndarray, size: int) -> np.ndarray:
+    """The `size` most frequent target tokens (sorted ids): the heads' vocabulary."""
+    ids, counts = np.unique(train_targets[train_targets >= 0], return_counts=True)
+    keep = ids[np.argsort(-counts, kind="stable")[:size]]
+    return np.sort(keep)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training
+
+
+@dataclass
+class Split:
+    hidden: torch.Tensor  # [m, D]
+    tokens: torch.Tensor  # [m, γ] target token ids, -1: none
+    index: torch.Tensor  # [m, γ] the targets as rows of the heads' vocabulary, -1: none or outside it
+
+
+def lr_at(step: int, steps: int, lr: float) -> float:
+    """Linear warm-up over the first WARMUP share of the steps, then a cosine down to zero."""
+    warm = max(1, int(WARMUP * steps))
+    if step < warm:
+        return lr * (step + 1) / warm
+    return lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
+
+
+def head_losses(heads: Heads, lm: torch.Tensor, hidden: torch.Tensor, index: torch.Tensor,
+                soft: torch.Tensor | None = None, distill: float = 0.0) -> torch.Tensor:
+    """Cross-entropy per head [γ] over the heads' vocabulary (targets outside it are ignored). With `soft`
+    [m, γ, |V|] (the model's own distribution at each target position), a `distill` share of the loss is the
+    cross-entropy against it instead of the one token the text happened to contain."""
+    z = heads.states(hidden)  # [m, γ, D]
+    logits = (z.reshape(-1, z.shape[-1]) @ lm.t()).view(z.shape[0], heads.gamma, -1)
+    hard = torch.stack([F.cross_entropy(logits[:, i], index[:, i], ignore_index=-1) for i in range(heads.gamma)])
+    if soft is None or distill == 0:
+        return hard
+    ok = (index >= 0).float()  # [m, γ]
+    ce = -(soft * torch.log_softmax(logits, dim=-1)).sum(-1)  # [m, γ]
+    return (1 - distill) * hard + distill * (ce * ok).sum(0) / ok.sum(0).clamp(min=1)
+
+
+@torch.no_grad()
+def model_targets(model, lm: torch.Tensor, hidden: torch.Tensor, pick: torch.Tensor, gamma: int) -> torch.Tensor:
+    """The model's own next-token distribution over the heads' vocabulary at the position before each head's
+    target: for head i at t, softmax of the LM head at t + i. [m, γ, |V|]; rows past a window's end are junk
+    (their hard target is -1, so they carry no weight)."""
+    rows = (pick[:, None] + torch.arange(1, gamma + 1)).clamp(max=hidden.shape[0] - 1)  # [m, γ]
+    h = rms_norm(hidden[rows.reshape(-1)], model.final_norm.float().cpu(), model.cfg.rms_eps)
+    return torch.softmax(h @ lm.t(), dim=-1).view(rows.shape[0], gamma, -1)
+
+
+@torch.inference_mode()
+def evaluate(heads: Heads, lm: torch.Tensor, split: Split, chunk: int = 1024) -> dict:
+    """Held-out top-1 / top-3 accuracy per head, over every position with a target (a target outside the
+    heads' vocabulary counts as a miss), and the loss on the in-vocabulary ones."""
+    vocab = heads.vocab
+    hits1 = torch.zeros(heads.gamma)
+    hits3 = torch.zeros(heads.gamma)
+    nll = torch.zeros(heads.gamma)
+    n_in = torch.zeros(heads.gamma)
+    valid = (split.tokens >= 0).sum(0).float()
+    for a in range(0, split.hidden.shape[0], chunk):
+        z = heads.states(split.hidden[a : a + chunk])
+        logits = (z.reshape(-1, z.shape[-1]) @ lm.t()).view(z.shape[0], heads.gamma, -1)
+        top = vocab[torch.topk(logits, 3, dim=-1).indices]  # [m, γ, 3] token ids
+        tgt = split.tokens[a : a + chunk]
+        hits1 += (top[..., 0] == tgt).sum(0)
+        hits3 += (top == tgt[..., None]).any(-1).sum(0)
+        idx = split.index[a : a + chunk]
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, idx.clamp(min=0)[..., None])[..., 0]
+        nll -= (lp * (idx >= 0)).sum(0)
+        n_in += (idx >= 0).sum(0)
+    return {
+        "top1": [round(float(x), 4) for x in hits1 / valid.clamp(min=1)],
+        "top3": [round(float(x), 4) for x in hits3 / valid.clamp(min=1)],
+        "loss": [round(float(x), 3) for x in nll / n_in.clamp(min=1)],
+        "in_vocab": [round(float(x), 4) for x in n_in / valid.clamp(min=1)],
+    }
+
+
+@torch.inference_mode()
+def base_accuracy(model, split: Split, chunk: int = 512) -> dict:
+    """The model's own next-token top-1 / top-3 on the held-out positions, over its whole vocabulary: the
+    ceiling the heads are compared with."""
+    next_tok = torch.full((split.tokens.shape[0],), -1, dtype=torch.long)
+    # the token after position t is the target of head 1 at t - 1
+    next_tok[1:] = split.tokens[:-1, 0]
+    hit1 = hit3 = n = 0
+    for a in range(0, split.hidden.shape[0], chunk):
+        h = split.hidden[a : a + chunk].to(model.device, model.dtype)
+        logits = linear(rms_norm(h, model.final_norm, model.cfg.rms_eps), model.lm_head)
+        top = torch.topk(logits, 3, dim=-1).indices.cpu()
+        tgt = next_tok[a : a + chunk]
+        ok = tgt >= 0
+        hit1 += int(((top[:, 0] == tgt) & ok).sum())
+        hit3 += int(((top == tgt[:, None]).any(-1) & ok).sum())
+        n += int(ok.sum())
+    return {"top1": round(hit1 / max(n, 1), 4), "top3": round(hit3 / max(n, 1), 4)}
+
+
+def fit(model, windows: list[np.ndarray], held: list[np.ndarray], *, gamma: int = GAMMA, steps: int = 400,
+        batch: int = 512, lr: float = 2e-2, vocab: int = 8192, distill: float = 1.0, seed: int = 0, log=print,
+        progress: bool = False) -> tuple[Heads, dict]:
+    """Train γ heads on `windows` (1-D arrays of token ids) and measure them on `held`. Returns the
+    heads and a report: held-out accuracy and loss per head, before and after training, and timings."""
+    t0 = time.time()
+    torch.manual_seed(seed)
+    cut = sum(map(len, windows))
+    windows = list(windows) + list(held)
+    H = hidden_states(model, windows, log)
+    T = torch.from_numpy(targets(windows, gamma))
+    t_hidden = time.time()
+    vocab_ids = torch.from_numpy(choose_vocab(T[:cut].numpy(), vocab))
+    where = torch.full((model.cfg.vocab_size,), -1, dtype=torch.long)
+    where[vocab_ids] = torch.arange(vocab_ids.numel())
+    index = torch.where(T >= 0, where[T.clamp(min=0)], T)
+    train_set, held = Split(H[:cut], T[:cut], index[:cut]), Split(H[cut:], T[cut:], index[cut:])
+    usable = torch.nonzero(train_set.index[:, 0] >= 0)[:, 0]  # positions whose head-1 target is in the vocabulary
+    if usable.numel() == 0:
+        raise UserError("no training position has a next-but-one token to learn; give more text.")
+
+    heads = Heads.fresh(model, vocab_ids, gamma)
+    lm = heads.lm_slice(model).float()
+    untrained = evaluate(heads, lm, held)
+    log(f"vocabulary: {vocab_ids.numel()} tokens (covering {untrained['in_vocab'][0]:.1%} of held-out targets); "
+        f"untrained heads: top-1 {_fmt(untrained['top1'])}, loss {_fmt(untrained['loss'], 2)}")
+    opt = torch.optim.AdamW(heads.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    ema, every = None, max(1, steps // 10)
+    bar = _Bar(steps) if progress else None
+    try:
+        for step in range(steps):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, steps, lr)
+            pick = usable[torch.randint(usable.numel(), (batch,), generator=gen)]
+            soft = model_targets(model, lm, train_set.hidden, pick, gamma) if distill else None
+            losses = head_losses(heads, lm, train_set.hidden[pick], train_set.index[pick], soft, distill)
+            opt.zero_grad(set_to_none=True)
+            losses.mean().backward()
+            opt.step()
+            cur = losses.detach()
+            ema = cur if ema is None else 0.9 * ema + 0.1 * cur
+            if bar is not None:
+                bar.update(step + 1, ema.tolist())
+            if (step + 1) % every == 0 or step + 1 == steps:
+                log(f"step {step + 1}/{steps}: loss per head {_fmt(ema.tolist(), 2)}")
+    finally:
+        if bar is not None:
+            bar.close()
+    heads.requires_grad_(False)
+    t_train = time.time()
+    result = evaluate(heads, lm, held)
+    report = {
+        "heldout": result,
+        "untrained": untrained,
+        "base_next_token": base_accuracy(model, held),
+        "train_loss": [round(x, 3) for x in ema.tolist()],
+        "train_tokens": cut,
+        "heldout_tokens": held.tokens.shape[0],
+        "vocab_size": vocab_ids.numel(),
+        "seconds": {"hidden_states": round(t_hidden - t0, 1), "train": round(t_train - t_hidden, 1)},
+    }
+    return heads, report
+
+
+def default_out(model_name: str) -> Path:
+    """Where `train-heads` writes when no --out is given: found automatically by heads.default_heads_path."""
+    from .heads import user_dir
+
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(model_name).name) or "model"
+    return user_dir() / f"{safe}.safetensors"
+
+
+def train(
+    model_dir: Path,
+    data: Path | None = None,  # a text file or a directory of text files; None with self_distill
+    self_distill: bool = False,  # let the model write its training text first (saved to distill_out)
+    steps: int = 400,  # optimizer steps: held-out accuracy stopped improving by 300 on 45K tokens (800 gave no more)
+    batch: int = 512,  # positions per step (each trains all γ heads)
+    lr: float = 2e-2,  # AdamW peak, linear warm-up then cosine; the paper's 5e-3 underfits at this data size
+    seq_len: int = 2048,  # longest sequence run through the model (documents are cut at this length)
+    out: Path | None = None,  # the heads file; None: $SWIFTWRITE_HOME/heads/<model dir name>.safetensors
+    log=print,  # progress lines
+    *,
+    gamma: int = GAMMA,
+    vocab: int = 8192,  # the heads' vocabulary: at most this many of the data's most frequent tokens
+    distill: float = 1.0,  # share of the loss against the model's own distribution rather than the text's token
+    data_note: str = "",  # appended to the data description in the file's metadata
+    distill_out: Path | None = None,  # where self-distilled text goes; None: $SWIFTWRITE_HOME/selfdistill.txt
+    distill_tokens: int = 1536,  # tokens per self-distilled sample (32 samples)
+    seed: int = 0,
+    progress: bool = False,  # a Rich progress bar with the loss per head on standard error
+) -> dict:
+    """Train γ heads on the frozen model in `model_dir`, write them to `out` (atomically) and return the
+    report that is also stored in the file's metadata. Bad options raise UsageError, bad data UserError,
+    both before anything is written."""
+    from transformers import AutoTokenizer
+
+    from .errors import UsageError
+    from .model import load_lean
+    from .store import fingerprint, home
+
+    model_dir = Path(model_dir)
+    for name, value, ok in (("--steps", steps, steps >= 1), ("--batch", batch, batch >= 1), ("--lr", lr, 0 < lr < 1),
+                            ("--seq-len", seq_len, seq_len >= gamma + 2), ("gamma", gamma, 1 <= gamma <= 8),
+                            ("vocab", vocab, vocab >= 3)):
+        if not ok:
+            raise UsageError(f"{name} = {value} is out of range.")
+    if (data is None) == (not self_distill):
+        raise UsageError("give either --data FILE|DIR or --self-distill (one of them).")
+    out = Path(out) if out is not None else default_out(model_dir.name)
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a directory; give a file name ending in .safetensors.")
+    if data is not None:  # the data is checked before anything slow happens
+        texts, what = read_texts(Path(data))
+    t0 = time.time()
+    fp = fingerprint(model_dir)
+    model = load_lean(model_dir)
+    if self_distill:
+        data = Path(distill_out) if distill_out is not None else home() / "selfdistill.txt"
+        write_selfdistill(model_dir, data, new_tokens=distill_tokens, seed=seed, log=log)
+        texts, _ = read_texts(data)
+        what = (f"self-distilled: {len(texts)} samples of {distill_tokens} tokens from the novel/report templates, "
+                f"temperature 0.7, min_p 0.1, repetition penalty 1.2")
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    windows = token_windows(tok, texts, seq_len, str(data))
+    cap = HIDDEN_BYTES // (4 * model.cfg.hidden_size)
+    if sum(map(len, windows)) > cap:
+        kept = np.cumsum([len(w) for w in windows]) <= cap
+        windows = [w for w, k in zip(windows, kept) if k] or windows[:1]
+        log(f"using the first {sum(map(len, windows))} tokens: their hidden states fill the {HIDDEN_BYTES >> 30} GB cache")
+    every = round(1 / HELD_OUT)
+    is_held = [k % every == every - 1 for k in range(len(windows))] if len(windows) >= every else \
+        [k == len(windows) - 1 for k in range(len(windows))]
+    held = [w for w, h in zip(windows, is_held) if h]
+    windows = [w for w, h in zip(windows, is_held) if not h]
+    log(f"data: {what}; {sum(map(len, windows)) + sum(map(len, held))} tokens in sequences of up to {seq_len}, "
+        f"{len(windows)} to train on, {len(held)} held out")
+    heads, report = fit(model, windows, held, gamma=gamma, steps=steps, batch=batch, lr=lr, vocab=vocab,
+                        distill=distill, seed=seed, log=log, progress=progress)
+    report["seconds"]["total"] = round(time.time() - t0, 1)
+    result, base = report["heldout"], report["base_next_token"]
+    meta = {
+        "fingerprint": fp,
+        "model": model_dir.name,
+        "data": what + (f"; {data_note}" if data_note else ""),
+        "steps": str(steps),
+        "batch": str(batch),
+        "lr": repr(lr),
+        "seq_len": str(seq_len),
+        "distill": repr(distill),
+        "accuracy": {"top1": result["top1"], "top3": result["top3"]},
+        "heldout_loss": result["loss"],
+        "report": report,
+        "created": time.strftime("%Y-%m-%d"),
+    }
+    save_heads(heads, out, meta)
+    log(f"held-out accuracy per head (tokens t+2..t+{gamma + 1}): top-1 {_fmt(result['top1'])}, "
+        f"top-3 {_fmt(result['top3'])}; the model's own next token: top-1 {base['top1']:.1%}")
+    log(f"wrote {out} in {time.time() - t0:.0f} s")
+    report["out"] = str(out)
+    return report
+
+
+def _fmt(xs, digits=None) -> str:
+    return " / ".join(f"{x:.{digits}f}" if digits else f"{x:.1%}" for x in xs)
+
+
+class _Bar:
+    """A Rich progress bar on standard error whose description carries the running loss of each head."""
+
+    def __init__(self, steps: int):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.p = Progress(TextColumn("training heads"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                          TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+        self.task = self.p.add_task("", total=steps)
+        self.p.start()
+
+    def update(self, step: int, losses: list[float]) -> None:
+        self.p.update(self.task, completed=step, description="loss " + " / ".join(f"{x:.2f}" for x in losses))
+
+    def close(self) -> None:
+        self.p.stop()
