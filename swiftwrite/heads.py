@@ -118,6 +118,7 @@ def save_heads(heads: Heads, path: Path, meta: dict[str, object]) -> Path:
         save_file(tensors, tmp, metadata=strings)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; a heads file is as shareable as any output
         os.replace(tmp, path)
     except OSError as e:
         raise UserError(f"cannot write the heads to {path} ({e.strerror}); free space or choose another --out.") from None
@@ -210,6 +211,12 @@ def default_heads_path(fingerprint: str) -> Path | None:
         except (HeadsError, OSError):
             continue  # someone else's file or a damaged one: not ours to complain about here
     return None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _short(e: Exception) -> str:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import UserError
-from .heads import GAMMA, Heads, save_heads
+from .heads import GAMMA, Heads, _umask, save_heads
 from .model import linear, rms_norm
 
 HELD_OUT = 0.1  # every tenth sequence is kept out of training, for the accuracy report
@@ -141,6 +141,7 @@ def atomic_write_text(path: Path, text: str) -> None:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
