@@ -179,7 +179,8 @@ def test_stats_json_has_the_promised_keys(greedy_ref, work):
         assert key in stats, key
     assert stats["tokens"] == T == len(read_tokens(greedy_ref.dir))
     assert stats["forward_passes"] >= 1 and stats["mean_tokens_per_forward"] >= 1.0
-    assert set(stats["per_source"]) == {"recycling", "ngram"}
+    # "all" = recycling + ngram, plus the shipped heads when they match the model (they do for the default model)
+    assert set(stats["per_source"]) == {"recycling", "ngram", "heads"}
     assert stats["peak_rss_bytes"] > 0 and stats["seconds"] > 0
 
 
