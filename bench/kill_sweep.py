@@ -387,6 +387,10 @@ class Sweep:
         if not rec["ok"] and toks != ref.tokens:
             rec["first_difference"] = next((i for i, (a, b) in enumerate(zip(toks, ref.tokens)) if a != b),
                                            min(len(toks), len(ref.tokens)))
+        if not rec["ok"] and text is not None and text != ref.text:
+            i = next((i for i, (a, b) in enumerate(zip(text, ref.text)) if a != b), min(len(text), len(ref.text)))
+            rec["text_difference"] = {"char": i, "reference": ref.text[max(0, i - 20):i + 20],
+                                      "resumed": text[max(0, i - 20):i + 20]}
         rec["seconds"] = round(time.monotonic() - t_point, 2)
         if rec["ok"]:  # keep the evidence of failures only
             shutil.rmtree(d, ignore_errors=True)

@@ -113,14 +113,23 @@ class TextStream:
         self.pending: list[int] = list(history[cut:])
 
     def push(self, ids: list[int]) -> str:
+        """Release the text of the pending tokens up to the last one that ends a whole character. The result
+        must not depend on how tokens were grouped into steps (drafting changes the grouping), so only the
+        unfinished tail is held back, never a whole step."""
+        dec = lambda t: self.tok.decode(t, skip_special_tokens=False)  # noqa: E731
         self.pending.extend(ids)
-        head = self.tok.decode(self.prefix, skip_special_tokens=False)
-        full = self.tok.decode(self.prefix + self.pending, skip_special_tokens=False)
-        if full.endswith("\ufffd") and len(self.pending) < 8:
+        head = dec(self.prefix)
+        j, full = len(self.pending), dec(self.prefix + self.pending)
+        while j > 0 and full.endswith("\ufffd"):
+            j -= 1
+            full = dec(self.prefix + self.pending[:j])
+        if (j == 0 and full.endswith("\ufffd")) or len(self.pending) - j >= 8:  # not a character in the making
+            j, full = len(self.pending), dec(self.prefix + self.pending)
+        if j == 0:
             return ""
-        out = full[len(head):] if full.startswith(head) else self.tok.decode(self.pending, skip_special_tokens=False)
-        self.prefix = (self.prefix + self.pending)[-4:]
-        self.pending = []
+        out = full[len(head):] if full.startswith(head) else dec(self.pending[:j])
+        self.prefix = (self.prefix + self.pending[:j])[-4:]
+        self.pending = self.pending[j:]
         return out
 
     def flush(self) -> str:
