@@ -376,7 +376,6 @@ def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display:
                                        lambda: budget_mod.measure(lm.model, cache))
 
     engine.cost_at = cost_at
-    engine.cost = cost_at(engine.cache)
 
 
 def pack_state(state: dict) -> bytes | None:

@@ -34,14 +34,7 @@ SHARPEN = 4.0  # LM-head scale: see the module docstring
 VOCAB = 128
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: tiny matmuls gain nothing from two, and a loaded 2-core box makes two threads
-    wait at every barrier (see test_model.py)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------------------------------------------------

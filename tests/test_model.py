@@ -35,15 +35,7 @@ CONFIGS = {
     "qwen3-tied-mqa": ("qwen3", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
 }
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Run this module on one intra-op thread. The tiny matmuls gain nothing from two, and on a 2-core box
-    with any other load a 2-thread torch waits at every barrier: measured here, the fast tests took 69 s
-    instead of 4 s and a 135M decode step 720 ms instead of 28 ms."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # A 6-node draft tree: node 0 is the root, 1 and 2 its children, 3 and 4 children of 1, 5 the child of 2.
