@@ -19,9 +19,10 @@ both), the kinds cycle through (W: the reference run's wall time, R: when its ru
     slow    the same over [0, W - R + the pauses], with SWIFTWRITE_SLOW_CHECKPOINT (every state.json.tmp
             waits before its rename), so a good share of the kills lands inside a checkpoint write;
     double  as loop, then the resume killed over [0, W] from its start, then resumed again;
-plus --create-kills per mode that kill the moment the run directory appears (inside RunDir.create).
+plus --create-kills per mode that kill the moment the run directory's staging directory appears (inside
+RunDir.create, which builds the run in a hidden sibling and renames it into place).
 Each kill is classified by what the run directory held once the process was dead: no directory yet (killed
-while loading), a directory without meta.json (killed inside RunDir.create), a *.tmp file (inside a
+while loading), only a staging directory (killed inside RunDir.create), a *.tmp file (inside a
 checkpoint write), no checkpoint yet, between checkpoints, or after the final checkpoint. The run is then
 completed the way a user would: `swiftwrite resume DIR` (a fresh `generate` when there is no run directory
 to resume). A second variant repeats the sweep with --context 128 and enough tokens for many context
@@ -53,6 +54,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+
+from swiftwrite.rundir import drafter_file, staging_dirs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,14 +155,14 @@ def read_state(run_dir: Path) -> dict:
 def classify(run_dir: Path) -> str:
     """Where a kill landed, from what the (now frozen) run directory holds."""
     if not run_dir.exists():
-        return "before_run_dir"
+        return "inside_create" if staging_dirs(run_dir) else "before_run_dir"
     if not (run_dir / "meta.json").is_file():
         return "inside_create"
     tmps = sorted(f.name for f in run_dir.glob("*.tmp"))
     if "state.json.tmp" in tmps:
         return "inside_checkpoint"  # written and fsynced, not yet renamed: the slow window
     if tmps:
-        return "inside_checkpoint_other"  # drafter.bin.tmp or state.prev.json.tmp
+        return "inside_checkpoint_other"  # drafter-<sha>.bin.tmp or state.prev.json.tmp
     s = read_state(run_dir)
     if s.get("finished"):
         return "after_final_checkpoint"
@@ -271,7 +274,10 @@ class Sweep:
 
     def generate_args(self, v: Variant, mode: str, run_dir: Path, *extra) -> list[str]:
         args = ["generate", str(self.prompt), "--model", str(self.model_dir), "--tokens", str(v.tokens),
-                "--chunk", str(v.chunk), "--draft", "all", "--run-dir", str(run_dir), "--quiet", *MODES[mode], *extra]
+                "--chunk", str(v.chunk), "--draft", "all", "--run-dir", str(run_dir), "--quiet", *MODES[mode], *extra,
+                # A fixed tree: the automatic budget on a random tiny model rests at 0 most steps (its drafts
+                # rarely pay), and the sweep needs steps of several tokens to cut at the target and checkpoints.
+                "--budget", "16"]
         if v.context:
             args += ["--context", str(v.context)]
         return args
@@ -413,8 +419,8 @@ class Sweep:
             return True
 
         alive = True
-        if k.at_run_dir:
-            alive = alive_until(d.exists)
+        if k.at_run_dir:  # the staging directory create() builds in, or the run directory it becomes
+            alive = alive_until(lambda: d.exists() or bool(staging_dirs(d)))
         if alive and k.at_tokens is not None:
             want = max(start_state, 0) + 1 if k.at_tokens < 0 else k.at_tokens
             alive = alive_until(lambda: read_state(d).get("n_tokens", -1) >= want)
@@ -434,8 +440,8 @@ class Sweep:
         toks = read_tokens(d)
         state = read_state(d)
         try:  # the drafter state the checkpoint records, or a newer one (killed between the two renames)?
-            drafter_ok = (state.get("drafter_sha256") is None or
-                          hashlib.sha256((d / "drafter.bin").read_bytes()).hexdigest() == state["drafter_sha256"])
+            sha = state.get("drafter_sha256")
+            drafter_ok = sha is None or hashlib.sha256((d / drafter_file(sha)).read_bytes()).hexdigest() == sha
         except OSError:
             drafter_ok = False
         return {"command": args[0], "at_s": round(at, 3), "exit": rc, "landed": landed,
@@ -531,7 +537,7 @@ def sweep(work: Path, tokenizer_dir: Path, *, kills: int = 40, tokens: int = 300
         "resumes": sum(r["resumes"] for r in records),
         "restarts": sum(r["restarts"] for r in records),
         "inside_create_leftovers": sum(len(r["inside_create_leftovers"]) for r in records),
-        # speed only: the resume warns and starts the drafters cold when drafter.bin is not the checkpoint's
+        # speed only: the resume warns and starts the drafters cold when the checkpoint's drafter file is gone
         "kills_leaving_a_stale_drafter": sum(k.get("drafter_matches_checkpoint") is False for k in all_kills),
         "mismatches": sum(not r["ok"] for r in records),
         "length_errors": sum(r["checks"]["length_exact"] is False for r in records),

@@ -21,20 +21,22 @@ from .config import Config
 from .errors import UsageError, UserError
 from .metrics import distinct, first_divergence, median, speedup
 
-# name -> (draft, budget, static tree); "hf" methods run transformers generate
+# name -> the Config fields it sets; None: transformers generate
 METHODS = {
     "hf": None,
     "hf-lookup": None,
-    "none": ("none", "auto", False),
-    "recycling": ("recycling", "auto", False),
-    "recycling-static": ("recycling", "auto", True),
-    "ngram": ("ngram", "auto", False),
-    "heads": ("heads", "auto", False),
-    "all": ("all", "auto", False),
-    "all-b2": ("all", "2", False),
-    "all-b4": ("all", "4", False),
-    "all-b8": ("all", "8", False),
-    "all-b16": ("all", "16", False),
+    "none": dict(draft="none"),
+    "recycling": dict(draft="recycling"),
+    "recycling-static": dict(draft="recycling", static_tree=True),
+    "ngram": dict(draft="ngram"),
+    "heads": dict(draft="heads"),
+    "heads-2pass": dict(draft="heads", head_mode="two-pass"),
+    "all": dict(draft="all"),
+    "all-2pass": dict(draft="all", head_mode="two-pass"),
+    "all-b2": dict(draft="all", budget="2"),
+    "all-b4": dict(draft="all", budget="4"),
+    "all-b8": dict(draft="all", budget="8"),
+    "all-b16": dict(draft="all", budget="16"),
 }
 QUICK = ["hf", "none", "all"]
 DEFAULT = ["hf", "hf-lookup", "none", "recycling", "ngram", "heads", "all", "all-b4", "all-b16"]
@@ -54,6 +56,21 @@ class Result:
     tokens: list  # ids of the last repeat
     forwards: int = 0
     per_source: dict | None = None
+    draft_forwards: int = 0  # two-pass heads: the extra one-token forwards over the partial cache
+    trace: list | None = None  # [tokens, seconds, forward passes] each time another TRACE_BIN tokens are out
+
+
+@dataclass
+class One:
+    seconds: float
+    tokens: list
+    forwards: int = 0
+    per_source: dict | None = None
+    draft_forwards: int = 0
+    trace: list | None = None
+
+
+TRACE_BIN = 100  # tokens per point of the throughput / acceptance trace along the generated position
 
 
 def machine() -> dict:
@@ -120,14 +137,17 @@ def run(methods: list[str], settings: list[str], prompts: list[Path], tokens: in
             for pname, ids in prompt_ids.items():
                 for method in methods:
                     r = results.setdefault((method, setting, pname), Result(method, setting, pname, [], []))
-                    secs, toks, fwd, per = _one(method, SETTINGS[setting], ids, tokens, lm, hf, display)
-                    r.seconds.append(secs)
-                    r.tokens, r.forwards, r.per_source = toks, fwd, per
-                    log(f"repeat {rep + 1}/{repeats} {setting:>16} {pname:>14} {method:>16}: {tokens / secs:6.1f} tok/s")
+                    o = _one(method, SETTINGS[setting], ids, tokens, lm, hf, display)
+                    r.seconds.append(o.seconds)
+                    r.tokens, r.forwards, r.per_source, r.draft_forwards, r.trace = \
+                        o.tokens, o.forwards, o.per_source, o.draft_forwards, o.trace
+                    log(f"repeat {rep + 1}/{repeats} {setting:>16} {pname:>14} {method:>16}: {tokens / o.seconds:6.1f} tok/s")
     report = _report(results, methods, settings, prompt_ids, tokens, repeats, lm)
     if out is not None:
         (out / "bench.json").write_text(json.dumps(report, indent=1))
         (out / "bench.md").write_text(markdown(report))
+        for png in plot(report, out):
+            log(f"wrote {png}")
     return report
 
 
@@ -148,22 +168,23 @@ def _one(method, setting, ids, n, lm, hf, display):
         with torch.inference_mode():
             y = hf.generate(x, attention_mask=torch.ones_like(x), **kw)
         secs = time.perf_counter() - t
-        return secs, y[0, len(ids):].tolist(), 0, None
-    draft, budget, static = METHODS[method]
-    cfg = Config(draft=draft, budget=budget, static_tree=static, tokens=n, **setting).validate()
+        return One(secs, y[0, len(ids):].tolist())
+    cfg = Config(tokens=n, **METHODS[method], **setting).validate()
     engine = writer.build_engine(cfg, lm, len(ids), len(ids) + n, display)
     engine.start(ids)
-    writer.fit_budget(engine, lm, cfg, display)
+    writer.fit_budget(engine, lm, cfg, display, upto=len(ids) + n)
     per = {s.name: 0 for s in engine.sources}
-    toks = []
+    toks, trace = [], []
     t = time.perf_counter()
     for step in engine.run(n):
         toks += step.tokens
         for mask in step.accepted_sources:
             for s in engine.sources:
                 per[s.name] += mask >> s.id & 1
+        if len(toks) // TRACE_BIN > len(trace) or len(toks) == n:
+            trace.append([len(toks), round(time.perf_counter() - t, 4), engine.forwards])
     secs = time.perf_counter() - t
-    return secs, toks, engine.forwards, per
+    return One(secs, toks, engine.forwards, per, sum(getattr(s, "draft_forwards", 0) for s in engine.sources), trace)
 
 
 def _report(results, methods, settings, prompt_ids, tokens, repeats, lm) -> dict:
@@ -179,6 +200,8 @@ def _report(results, methods, settings, prompt_ids, tokens, repeats, lm) -> dict
             "speedup_vs_none": speedup(rate, tokens / median(base.seconds)) if base else None,
             "speedup_vs_generate": speedup(rate, tokens / median(hf.seconds)) if hf else None,
             "mean_tokens_per_forward": round(tokens / r.forwards, 3) if r.forwards else None,
+            "draft_forwards": r.draft_forwards,
+            "trace": r.trace,
             "accepted_per_forward": {k: round(v / r.forwards, 3) for k, v in r.per_source.items()} if r.per_source else None,
             "first_divergence_vs_none": (first_divergence(r.tokens, base.tokens) if base and not method.startswith("hf") else "n/a"),
             **distinct(r.tokens),
@@ -199,11 +222,49 @@ def markdown(report: dict) -> str:
     lines = []
     for r in report["rows"]:
         acc = ", ".join(f"{k} {v}" for k, v in (r["accepted_per_forward"] or {}).items()) or "-"
+        extra = f" (+{r['draft_forwards']} draft fwd)" if r.get("draft_forwards") else ""
         lines.append(f"| {r['setting']} | {r['prompt']} | {r['method']} | {r['tokens_per_second']} | {r['speedup_vs_none'] or '-'} | "
-                     f"{r['speedup_vs_generate'] or '-'} | {r['mean_tokens_per_forward'] or '-'} | {acc} | {r['distinct_1']} | "
+                     f"{r['speedup_vs_generate'] or '-'} | {r['mean_tokens_per_forward'] or '-'}{extra} | {acc} | {r['distinct_1']} | "
                      f"{r['distinct_4']} | {r['first_divergence_vs_none']} |")
     m = report["machine"]
     meta = (f"{report['date']}, {m['cpu']} ({m['cores']} cores, {m['torch_threads']} torch threads), torch {m['torch']}, "
             f"model {report['model']}, {report['tokens']} new tokens, {report['repeats']} repeat(s), penalty window "
             f"{report['penalty_window']}.\n\n")
     return meta + head + "\n".join(lines) + "\n"
+
+
+def plot(report: dict, out: Path) -> list[Path]:
+    """Throughput and tokens per forward pass along the generated position, one PNG per setting and prompt
+    (from each method's last repeat). Needs matplotlib (`pip install swiftwrite[plot]`); without it, none."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+    groups: dict[tuple, list] = {}
+    for r in report["rows"]:
+        if r.get("trace"):
+            groups.setdefault((r["setting"], r["prompt"]), []).append(r)
+    for (setting, prompt), rows in groups.items():
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        for r in rows:
+            pts = [[0, 0.0, 0], *r["trace"]]
+            x = [b[0] for b in pts[1:]]
+            rate = [(b[0] - a[0]) / max(b[1] - a[1], 1e-9) for a, b in zip(pts, pts[1:])]
+            tpf = [(b[0] - a[0]) / max(b[2] - a[2], 1) for a, b in zip(pts, pts[1:])]
+            ax1.plot(x, rate, label=r["method"])
+            ax2.plot(x, tpf, label=r["method"])
+        ax1.set(xlabel="generated tokens", ylabel=f"tokens/s (per {TRACE_BIN} tokens)", title=f"throughput, {setting}")
+        ax2.set(xlabel="generated tokens", ylabel="tokens per forward pass", title=f"acceptance, {setting}")
+        ax1.legend(fontsize=7)
+        m = report["machine"]
+        fig.suptitle(f"{report['model']} on {m['cpu']} ({m['torch_threads']} threads), {prompt}, {report['date']}", fontsize=9)
+        fig.tight_layout()
+        path = out / f"trace-{setting}-{Path(prompt).stem}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    return made

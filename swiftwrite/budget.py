@@ -25,6 +25,7 @@ class CostCurve:
     def __init__(self, sizes, seconds):
         self.sizes = np.asarray(sizes, dtype=np.float64)
         self.seconds = np.asarray(seconds, dtype=np.float64)
+        self.clean = True  # False: measured on a busy machine, kept for this run only
 
     def __call__(self, n: np.ndarray | int) -> np.ndarray:
         return np.interp(n, self.sizes, self.seconds)
@@ -37,16 +38,32 @@ class CostCurve:
         return cls(d["sizes"], [m / 1e3 for m in d["ms"]])
 
 
-def best_budget(scores: list[float], cost: CostCurve, cap: int = MAX_BUDGET) -> int:
-    """argmax_B (1 + sum of the B best scores) / cost(B + 1), B in 0..cap."""
-    p = np.asarray(sorted(scores, reverse=True)[:cap], dtype=np.float64)
+def best_budget(scores: list[float], cost: CostCurve, cap: int = MAX_BUDGET, scale: float = 1.0) -> int:
+    """argmax_B (1 + scale * sum of the B best scores) / cost(B + 1), B in 0..cap. `scale` calibrates the
+    estimates against what verification actually accepted (Engine.calibration)."""
+    p = scale * np.asarray(sorted(scores, reverse=True)[:cap], dtype=np.float64)
     gain = 1.0 + np.concatenate([[0.0], np.cumsum(p)])
     rate = gain / cost(np.arange(len(gain)) + 1)
     return int(np.argmax(rate))
 
 
-def measure(model, cache, reps: int = 3, sizes=SIZES) -> CostCurve:
-    """Time forwards of n scratch tokens after the cache's committed slots (nothing is committed)."""
+def measure(model, cache, reps: int = 3, sizes=SIZES, tries: int = 3) -> CostCurve:
+    """Time forwards of n scratch tokens after the cache's committed slots (nothing is committed).
+
+    A bigger forward never does less work, so a curve that falls by more than noise (another process took
+    the CPU during some sizes: on this class of machine that makes a forward 5-100x slower) is measured
+    again; if it stays inconsistent it is returned as its monotone envelope with `clean = False`, which
+    cached_curve() does not store."""
+    curve = None
+    for _ in range(tries):
+        curve = _measure_once(model, cache, reps, sizes)
+        if curve.clean:
+            return curve
+    curve.seconds = np.maximum.accumulate(curve.seconds)
+    return curve
+
+
+def _measure_once(model, cache, reps: int, sizes) -> CostCurve:
     free = cache.capacity - cache.length
     sizes = [n for n in sizes if n <= free]
     pos0 = max(0, cache.length)
@@ -64,7 +81,9 @@ def measure(model, cache, reps: int = 3, sizes=SIZES) -> CostCurve:
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t)
         out.append(best)
-    return CostCurve(sizes, out)
+    curve = CostCurve(sizes, out)
+    curve.clean = bool(np.all(curve.seconds >= 0.8 * np.maximum.accumulate(curve.seconds)))
+    return curve
 
 
 def cached_curve(path: Path, key: str, make) -> CostCurve:
@@ -77,10 +96,14 @@ def cached_curve(path: Path, key: str, make) -> CostCurve:
         data = {}
     if key in data:
         try:
-            return CostCurve.from_dict(data[key])
+            curve = CostCurve.from_dict(data[key])
+            if len(curve.sizes) and np.all(curve.seconds >= 0.8 * np.maximum.accumulate(curve.seconds)):
+                return curve
         except (KeyError, TypeError, ValueError):
             pass
     curve = make()
+    if not curve.clean:
+        return curve
     data[key] = curve.to_dict()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -42,9 +42,11 @@ def generate(
     penalty_window: Optional[str] = Opt(None, metavar="W", help="Tokens the penalty looks back (default 1024)."),
     stop_at_eos: Optional[bool] = Opt(None, "--stop-at-eos", help="Stop at end-of-text instead of writing --tokens."),
     chunk: Optional[str] = Opt(None, metavar="N", help="Tokens between checkpoints (default 256)."),
-    draft: Optional[str] = Opt(None, metavar="NAME", help="none | recycling | ngram | all (default all)."),
+    draft: Optional[str] = Opt(None, metavar="NAME", help="none | recycling | ngram | heads | all (default all)."),
     budget: Optional[str] = Opt(None, metavar="B", help="Draft nodes per step: auto or 1..63."),
     static_tree: Optional[bool] = Opt(None, "--static-tree", help="Recycling: the paper's static 81-node tree."),
+    head_mode: Optional[str] = Opt(None, metavar="MODE", help="Heads: fused (default) or two-pass (a draft forward first)."),
+    draft_kv_budget: Optional[str] = Opt(None, metavar="N", help="Two-pass: slots of the partial draft cache (default 4096)."),
     context: Optional[str] = Opt(None, metavar="N", help="Tokens the model attends to (default: the model's window)."),
     device: Optional[str] = Opt(None, metavar="NAME", help="auto | cpu | cuda."),
     dtype: Optional[str] = Opt(None, metavar="NAME", help="auto | float32 | bfloat16 | float16."),
@@ -60,7 +62,7 @@ def generate(
     flags = dict(model=model, tokens=tokens, template=template, raw=raw, seed=seed, temperature=temperature,
                  top_p=top_p, min_p=min_p, top_k=top_k, penalty=penalty, penalty_window=penalty_window,
                  stop_at_eos=stop_at_eos, chunk=chunk, draft=draft, budget=budget, static_tree=static_tree,
-                 context=context, device=device, dtype=dtype, threads=threads)
+                 head_mode=head_mode, draft_kv_budget=draft_kv_budget, context=context, device=device, dtype=dtype, threads=threads)
     cfg = config_mod.resolve(config, flags)
     raise typer.Exit(run(cfg, prompt, run_dir, out, quiet, no_live, stats_json))
 

@@ -17,6 +17,8 @@ import yaml
 from .errors import UsageError
 
 DRAFT_CHOICES = ("none", "recycling", "ngram", "heads", "all")
+HEAD_MODES = ("fused", "two-pass")
+DRAFT_SINKS = 16  # draftcache.SINKS, repeated so that reading options never imports torch
 TEMPLATES = ("novel", "report", "none")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -43,6 +45,10 @@ class Config:
     draft: str = "all"  # none | recycling | ngram | heads | all (heads join "all" when trained ones match the model)
     budget: str = "auto"  # draft nodes per step: auto (fitted to this machine's cost curve) or 1..63
     static_tree: bool = False  # recycling: use the paper's static 81-node tree instead of the budgeted one
+    # fused: heads read the verification pass's hidden state (one forward per step); two-pass: a separate
+    # one-token draft forward over the partial draft cache first (the paper's scheme; one level deeper)
+    head_mode: str = "fused"
+    draft_kv_budget: int = 4096  # two-pass: slots of the partial draft cache (sinks + important + recent)
     context: int = 0  # tokens the model attends to; 0 = the model's window. Past it the context is rebuilt
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (cuda: bfloat16, cpu: float32) | float32 | bfloat16 | float16
@@ -71,6 +77,9 @@ class Config:
         need(self.draft in DRAFT_CHOICES, "draft", f"must be one of {', '.join(DRAFT_CHOICES)}")
         need(self.budget == "auto" or (self.budget.isdigit() and int(self.budget) >= 1), "budget",
              "must be 'auto' or a positive number of draft nodes")
+        need(self.head_mode in HEAD_MODES, "head_mode", f"must be one of {', '.join(HEAD_MODES)}")
+        need(self.draft_kv_budget > DRAFT_SINKS, "draft_kv_budget",
+             f"must be more than the {DRAFT_SINKS} sink tokens the partial draft cache always keeps")
         need(self.context >= 0, "context", "must be 0 (the model's window) or a positive number of tokens")
         need(self.device in DEVICES, "device", f"must be one of {', '.join(DEVICES)}")
         need(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
@@ -128,7 +137,12 @@ def _apply(cfg: Config, values: dict, label, where: dict[str, str]) -> None:
     for key, value in values.items():
         name = str(key).replace("-", "_")
         if name not in FIELDS:
-            raise UsageError(f"{label(key, None)}: unknown option '{key}'; known options are {', '.join(FIELDS)}.")
+            import difflib
+
+            close = difflib.get_close_matches(name, FIELDS, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise UsageError(f"{label(key, None)}: unknown option '{key}'; {hint}every option is listed by "
+                             "`swiftwrite generate --help` (write them with underscores in YAML).")
         where[name] = label(key, name)
         setattr(cfg, name, coerce(name, value, where[name]))
 

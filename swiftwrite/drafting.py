@@ -56,10 +56,14 @@ class DraftSource:
     """A source of draft tokens. `id` is its bit in a node's source mask; `name` is what users see."""
 
     name = "base"
+    costly = False  # True: its drafting costs a noticeable share of a step; it sits out while the budget rests at 0
 
     def __init__(self, source_id: int, stats: AcceptanceStats):
         self.id = source_id
         self.stats = stats
+
+    def bind(self, engine) -> None:
+        """Called once by the engine that will use this source (for sources that run the model themselves)."""
 
     def propose(self, tree: DraftTree, history: np.ndarray, max_depth: int, limit: int) -> None:
         """Add up to `limit` nodes no deeper than `max_depth` to `tree` (rooted at history[-1])."""

@@ -28,6 +28,8 @@ SOURCES = ("recycling", "ngram", "heads")
 PREFILL_CHUNK = 256
 TOPK = 8  # next-token candidates per node handed to the sources
 COST_BUCKET = 1024  # context growth (tokens) after which the cost curve is measured again (attention grows)
+CALIBRATION_PRIOR = 2.0  # pseudo-tokens on both sides of the calibration ratio: starts at 1.0
+CALIBRATION_DECAY = 0.99  # per verified tree: the ratio follows the last ~100 of them
 EXPLORE_EVERY = 16  # steps of budget 0 after which a 2-node tree is verified anyway (keeps the rates fresh)
 
 
@@ -92,6 +94,14 @@ class Engine:
         self.forwards = 0
         self.stopped = False
         self._idle = 0  # consecutive steps with an automatic budget of 0
+        # Calibration of the automatic budget: accepted draft tokens vs the sum of the verified nodes'
+        # estimates, decayed. The per-(source, depth, rank) rates are fitted on the nodes that got verified,
+        # and the best-scoring nodes of a step are exactly the ones whose estimates came out high by chance
+        # (and a node several sources proposed keeps the highest), so the raw scores overpromise; on a CPU,
+        # where one extra node costs 30% of a step, that turns a small expected gain into a real loss.
+        self._real, self._pred = CALIBRATION_PRIOR, CALIBRATION_PRIOR
+        for src in self.sources:
+            src.bind(self)
 
     # -- context --------------------------------------------------------------------------------------
 
@@ -153,20 +163,26 @@ class Engine:
         if self.sources and max_depth > 0:
             hist = self.S[: self.n].numpy()
             limit = self.max_nodes - 1
+            resting = self._resting()
             for src in self.sources:
-                src.propose(tree, hist, max_depth, limit)
+                if not (resting and src.costly):
+                    src.propose(tree, hist, max_depth, limit)
             if self.budget is not None:
                 budget = self.budget
             else:
                 bucket = self.cache.length // COST_BUCKET
                 if self.cost_at is not None and bucket != self._cost_bucket:
                     self.cost, self._cost_bucket = self.cost_at(self.cache), bucket
-                budget = best_budget(tree.best_scores(max_depth), self.cost, limit)
+                scores = tree.best_scores(max_depth)
+                budget = best_budget(scores, self.cost, limit, scale=self.calibration)
                 # A budget of 0 verifies nothing, so the acceptance rates would never be measured again and a
                 # text that turns repetitive later would go unnoticed: verify a small tree now and then.
-                self._idle = self._idle + 1 if budget == 0 else 0
-                if self._idle >= EXPLORE_EVERY:
+                if budget > 0:
+                    self._idle = 0
+                elif self._idle >= EXPLORE_EVERY:
                     budget, self._idle = 2, 0
+                else:
+                    self._idle += 1
         flat = tree.select(budget, max_depth, device=self.model.device)
         n_nodes = flat.tokens.shape[0]
         base = self.cache.length  # position of the root: the context length minus one
@@ -180,10 +196,15 @@ class Engine:
         if self.sources:
             if n_nodes > 1:
                 self.stats.update(flat, path)
+                if self.budget is None:
+                    self._real = self._real * CALIBRATION_DECAY + (len(path) - 1)
+                    self._pred = self._pred * CALIBRATION_DECAY + sum(scores[: n_nodes - 1])
             top = torch.topk(processed, TOPK, dim=-1).indices.cpu().numpy().astype(np.int32)
+            resting = self._resting()  # the costly sources sit out the next step: skip their work for it
             for src in self.sources:
                 src.after_verify(flat, top)
-                src.after_accept(hidden[path[-1]])
+                if not (resting and src.costly):
+                    src.after_accept(hidden[path[-1]])
         self.cache.compact(base, torch.tensor(path, device=self.model.device))
         tok_list = flat.tokens.tolist()
         new = [tok_list[i] for i in path[1:]] + [bonus]
@@ -202,6 +223,19 @@ class Engine:
                 src.after_commit(hist, len(new))
         accepted_src = [flat.sources[i] for i in path[1 : len(new) + 1]]  # drafts among the committed tokens
         return Step(new, n_nodes, n_nodes - 1, accepted_src, rebuilt)
+
+    def _resting(self) -> bool:
+        """True while an automatic budget rests at 0: the costly sources (the heads: a few ms of matrix work
+        per step) sit out until EXPLORE_EVERY steps have passed, then every source proposes again and a small
+        tree is verified even if the budget still says 0. The cheap sources (table lookups) keep proposing,
+        so a repetition they spot is still taken at once. On a CPU where drafts rarely pay, this keeps `auto`
+        near the speed of plain decoding."""
+        return self.budget is None and 0 < self._idle < EXPLORE_EVERY
+
+    @property
+    def calibration(self) -> float:
+        """Accepted draft tokens per unit of estimated acceptance, recently (1.0: the estimates are right)."""
+        return self._real / self._pred
 
     def run(self, n_new: int):
         """Yield steps until `n_new` more tokens are committed (or a stop token is)."""

@@ -19,8 +19,12 @@ Drafting (*fused*, Medusa-style): verification already computed the hidden state
 p, whose LM-head output is the bonus token at p + 1, the next tree's root. The heads on that state guess
 p + 2 .. p + 1 + γ: depths 1..γ of the next tree, so a step stays one forward pass. The tree is the
 cartesian product of each head's top-k (3 + 9 + 27 nodes for k = 3), scored by the online acceptance
-rates; the engine's budget keeps the best. (The paper's *two-pass* scheme runs a separate 1-token forward
-for the root first; on a CPU that extra pass costs about as much as the step it feeds, so it is not built.)
+rates; the engine's budget keeps the best.
+
+Drafting (*two-pass*, the paper's scheme, `--head-mode two-pass`): a separate one-token forward of the root
+over the partial draft cache (draftcache.py) first; the model's own LM head on that state guesses depth 1 and
+the heads depths 2..γ+1. One level deeper, for an extra forward per step: on a 2-core CPU that forward costs
+about as much as the verification it feeds (bench/ measures both modes side by side).
 
 Files are safetensors with string metadata (format, base-model fingerprint, γ, sizes, training data, steps,
 held-out accuracy). A file made for another model, another γ or width, or a damaged one, is refused with a
@@ -232,6 +236,7 @@ class HeadsDrafter(DraftSource):
     their top-k tokens become depths 1..γ of the next tree."""
 
     name = "heads"
+    costly = True  # γ matrix products and an LM-head slice per step (~1.5 ms of a ~20 ms CPU step)
 
     def __init__(self, source_id: int, stats: AcceptanceStats, heads: Heads, lm: torch.Tensor, top_k: int = TOP_K):
         super().__init__(source_id, stats)
@@ -266,7 +271,10 @@ class HeadsDrafter(DraftSource):
     def propose(self, tree: DraftTree, history: np.ndarray, max_depth: int, limit: int) -> None:
         if self._guess is None or len(history) != self._at:
             return
-        guess = self._guess.tolist()
+        self._grow(tree, self._guess.tolist(), max_depth, limit)
+
+    def _grow(self, tree: DraftTree, guess: list[list[int]], max_depth: int, limit: int) -> None:
+        """guess[d - 1]: candidate tokens for depth d, best first."""
         depth_max = min(max_depth, len(guess))
         # Best-first over the cartesian product: pop the likeliest node, give it the next head's top-k.
         heap, added = [(-tree.score[0], 0)], 0
@@ -282,3 +290,54 @@ class HeadsDrafter(DraftSource):
                 heapq.heappush(heap, (-tree.score[child], child))
                 if added >= limit:
                     break
+
+
+class TwoPassHeadsDrafter(HeadsDrafter):
+    """The paper's two-pass scheme: before each verification, a one-token draft forward of the root (the
+    token just committed) over the partial draft cache (draftcache.py) gives the root's own hidden state.
+    The model's LM head on it guesses depth 1, the heads guess depths 2..γ+1: one level deeper than fused
+    drafting, for the price of an extra forward that attends to at most `kv_budget` slots."""
+
+    name = "heads"
+
+    def __init__(self, source_id: int, stats: AcceptanceStats, heads: Heads, lm: torch.Tensor, model: LeanModel,
+                 kv_budget: int, top_k: int = TOP_K):
+        super().__init__(source_id, stats, heads, lm, top_k)
+        self.model, self.kv_budget = model, kv_budget
+        self.partial = None
+        self.engine = None
+        self._span = None
+        self.draft_forwards = 0
+
+    @classmethod
+    def factory(cls, heads: Heads, model: LeanModel, kv_budget: int, top_k: int = TOP_K):
+        lm = heads.lm_slice(model)
+        return lambda source_id, stats: cls(source_id, stats, heads, lm, model, kv_budget, top_k)
+
+    def bind(self, engine) -> None:
+        from .draftcache import PartialCache
+
+        self.engine = engine
+        self.partial = PartialCache(engine.cache, min(self.kv_budget, engine.window.context))
+
+    def after_accept(self, hidden: torch.Tensor) -> None:
+        pass  # the root's state comes from the draft forward instead
+
+    def after_commit(self, history: np.ndarray, n_new: int) -> None:
+        pass
+
+    @torch.inference_mode()
+    def propose(self, tree: DraftTree, history: np.ndarray, max_depth: int, limit: int) -> None:
+        e = self.engine
+        if e.span != self._span:  # the context was rebuilt: new slots, new positions
+            self.partial.reset()
+            self._span = e.span
+        self.partial.sync()
+        dev = self.model.device
+        ids = torch.tensor([int(history[-1])], device=dev)
+        pos = torch.tensor([e.cache.length], device=dev)  # where verification will put the root
+        logits, hidden = self.model.forward(ids, pos, None, kv=self.partial.kv)
+        self.draft_forwards += 1
+        first = torch.topk(logits[0], self.top_k).indices.cpu().numpy()
+        guess = [first.tolist(), *self.guesses(hidden[0]).tolist()]
+        self._grow(tree, guess, max_depth, limit)

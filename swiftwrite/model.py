@@ -239,6 +239,7 @@ class LeanModel:
         cache: KVCache,
         mask: torch.Tensor | None = None,
         logits_for: torch.Tensor | slice | None = None,
+        kv=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run `ids` [n] at absolute `positions` [n]; their K/V go to slots cache.length .. +n.
 
@@ -246,12 +247,17 @@ class LeanModel:
         or a bool [n, cache.length + n] over everything. `cache.length` is NOT advanced: the caller commits
         (or compacts) what it keeps. Returns (logits [m, vocab] for the rows `logits_for` (all by default),
         hidden [n, hidden] before the final norm).
+
+        `kv` replaces the cache for a one-token draft forward: kv(layer, q, k, v) -> (keys, values) to attend
+        to, all visible (draftcache.PartialCache); nothing is written anywhere and `cache` is ignored.
         """
         cfg = self.cfg
         n = ids.shape[0]
-        start = cache.length
+        if kv is not None and (n != 1 or mask is not None):
+            raise ValueError("a draft forward through `kv` takes exactly one token and no mask")
+        start = cache.length if kv is None else 0
         end = start + n
-        if end > cache.capacity:
+        if kv is None and end > cache.capacity:
             raise RuntimeError(f"KV cache overflow: {end} slots needed, {cache.capacity} allocated")
         if int(positions.max()) >= cfg.max_positions:
             raise RuntimeError(f"position {int(positions.max())} is past the model's {cfg.max_positions}")
@@ -277,9 +283,12 @@ class LeanModel:
                 k = rms_norm(k, L["k_norm"], cfg.rms_eps)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
-            cache.k[li, :, start:end] = k
-            cache.v[li, :, start:end] = v
-            o = attention(q, cache.k[li, :, :end], cache.v[li, :, :end], attn_mask, self.scale)
+            if kv is None:
+                cache.k[li, :, start:end] = k
+                cache.v[li, :, start:end] = v
+                o = attention(q, cache.k[li, :, :end], cache.v[li, :, :end], attn_mask, self.scale)
+            else:
+                o = attention(q, *kv(li, q, k, v), None, self.scale)
             x = x + linear(o, L["wo"], L["bo"])
             h = rms_norm(x, L["post_norm"], cfg.rms_eps)
             gu = linear(h, L["w_gate_up"], L["b_gate_up"])

@@ -2,13 +2,19 @@
 
     config.yaml       resolved configuration             written once, at create
     prompt.txt        the prompt as given                written once
-    meta.json         fingerprint, prompt ids, format    written once, LAST: its presence means "a run"
+    meta.json         fingerprint, prompt ids, format    written once
     tokens.bin        generated ids, int32 little-endian appended as they come
     output.txt        the decoded text, utf-8            appended as it comes
-    drafter.bin       opaque drafter state (optional)    replaced at checkpoints
+    drafter-<sha>.bin opaque drafter state (optional)    one per checkpoint; the last two are kept
     state.json        the last checkpoint                replaced atomically at checkpoints
     state.prev.json   the checkpoint before it           fallback if state.json is unreadable
+    progress.jsonl    one line per checkpoint            speed, memory; for people and bench/, never read back
     lock              flock + holder pid                 held for the RunDir's lifetime
+
+create() builds all of it in a hidden sibling directory and renames that into place, so a run directory
+appears whole or not at all: a kill during create leaves the path free for the same command again.
+The drafter file is named after its checksum rather than replaced in place, so a kill between writing it
+and writing state.json leaves the file the last checkpoint names (older runs wrote drafter.bin; still read).
 
 tokens.bin and output.txt are append-only and may run ahead of the checkpoint (a kill between two
 checkpoints). state.json records their committed length and sha256, so open() can cut them back to the
@@ -23,6 +29,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 from array import array
@@ -35,9 +42,9 @@ from .errors import UserError
 
 FORMAT = 1  # meta.json "format"; bump when the layout changes, keep reading older ones
 CONFIG, PROMPT, META = "config.yaml", "prompt.txt", "meta.json"
-TOKENS, TEXT, DRAFTER = "tokens.bin", "output.txt", "drafter.bin"
-STATE, PREV, LOCK = "state.json", "state.prev.json", "lock"
-ALL_FILES = (CONFIG, PROMPT, META, TOKENS, TEXT, DRAFTER, STATE, PREV, LOCK)
+TOKENS, TEXT, DRAFTER = "tokens.bin", "output.txt", "drafter.bin"  # DRAFTER: the name before format 1.1
+STATE, PREV, LOCK, PROGRESS = "state.json", "state.prev.json", "lock", "progress.jsonl"
+STAGING_PREFIX = ".swiftwrite-new-"  # + name + "." + pid: a run directory being created
 STATE_KEYS = {"n_tokens": int, "tokens_sha256": str, "text_bytes": int, "text_sha256": str,
               "drafter_sha256": (str, type(None)), "stats": dict, "finished": bool, "checkpoints": int}
 
@@ -84,11 +91,14 @@ class RunDir:
         files = {CONFIG: yaml.safe_dump(config, sort_keys=False).encode(), PROMPT: prompt_text.encode(),
                  META: _json({"format": FORMAT, "fingerprint": fingerprint, "prompt_ids": list(prompt_ids),
                               "created": _now()})}
-        made_dir = not p.exists()
+        final = p.resolve()
+        stage = final.parent / f"{STAGING_PREFIX}{final.name}.{os.getpid()}"
         self = None
         try:
-            p.mkdir(parents=True, exist_ok=True)
-            self = cls(p, _lock(p))
+            final.parent.mkdir(parents=True, exist_ok=True)
+            _sweep_staging(final)
+            stage.mkdir()
+            self = cls(stage, _lock(stage))
             self.config, self.prompt_text = config, prompt_text
             self.prompt_ids, self.fingerprint = list(prompt_ids), fingerprint
             self.tokens, self.finished = [], False
@@ -96,25 +106,20 @@ class RunDir:
             self._state = self._new_state({}, None, False, count=0)
             self._state_bytes = _json(self._state)
             for name in (TOKENS, TEXT):
-                (p / name).write_bytes(b"")
-            for name in (CONFIG, PROMPT):
-                _atomic_write(p / name, files[name])
-            _atomic_write(p / STATE, self._state_bytes)
-            _atomic_write(p / META, files[META])
+                (stage / name).write_bytes(b"")
+            for name in (CONFIG, PROMPT, META):
+                _atomic_write(stage / name, files[name])
+            _atomic_write(stage / STATE, self._state_bytes)
+            # rename(2) replaces an empty directory too, atomically; a non-empty one (someone wrote into it since
+            # check_new) makes it fail, and nothing of theirs is touched. The flock moves with the inode.
+            os.rename(stage, final)
+            _fsync_dir(final.parent)
+            self.path = p
             self._open_appenders()
         except BaseException as e:
-            # Nothing left behind that looks valid: meta.json is last, and we remove the rest too. Only if we
-            # got the lock, though: otherwise the files belong to whoever holds it.
             if self is not None:
                 self.close()
-                for name in ALL_FILES:
-                    for f in (p / name, p / (name + ".tmp")):
-                        f.unlink(missing_ok=True)
-            if made_dir:
-                try:
-                    p.rmdir()
-                except OSError:
-                    pass
+            shutil.rmtree(stage, ignore_errors=True)
             if isinstance(e, OSError):
                 raise UserError(f"could not create the run directory {p} ({_why(e)}); "
                                 "check the path and free space, then start again.") from e
@@ -144,8 +149,8 @@ class RunDir:
 
     def _load(self) -> None:
         p = self.path
-        for name in ALL_FILES:  # temp files of a write that was killed before its rename
-            (p / (name + ".tmp")).unlink(missing_ok=True)
+        for f in p.glob("*.tmp"):  # temp files of a write that was killed before its rename
+            f.unlink(missing_ok=True)
         try:
             meta = json.loads((p / META).read_text())
             if meta.get("format", 1) > FORMAT:
@@ -210,14 +215,24 @@ class RunDir:
         # Drafter: only speed depends on it, so a bad one is a warning and a cold start.
         want = state["drafter_sha256"]
         if want:
-            try:
-                blob = (p / DRAFTER).read_bytes()
-                self._drafter = blob if _sha(blob) == want else None
-            except OSError:
-                pass
+            for name in (drafter_file(want), DRAFTER):
+                try:
+                    blob = (p / name).read_bytes()
+                except OSError:
+                    continue
+                if _sha(blob) == want:
+                    self._drafter = blob
+                    if name == DRAFTER:  # the old layout: give it the name the sweeps below keep
+                        try:
+                            os.replace(p / DRAFTER, p / drafter_file(want))
+                        except OSError:
+                            pass
+                    break
             if self._drafter is None:
-                self.warnings.append(f"{DRAFTER} is missing or damaged; the drafter starts cold "
-                                     "(the text is unaffected, only the speed).")
+                self.warnings.append(f"the drafter state {drafter_file(want)} is missing or damaged; the drafter starts "
+                                     "cold (the text is unaffected, only the speed).")
+        prev, _, _ = _read_state(p / PREV)
+        self._sweep_drafters(want, prev["drafter_sha256"] if prev else None)
         self._open_appenders()
 
     def _open_appenders(self) -> None:
@@ -271,17 +286,35 @@ class RunDir:
             for fh in (self._tokens_fh, self._text_fh):
                 fh.flush()
                 os.fsync(fh.fileno())
-            if drafter_state is not None:
-                _atomic_write(self.path / DRAFTER, bytes(drafter_state))
+            if drafter_state is not None and not (self.path / drafter_file(dsha)).exists():
+                _atomic_write(self.path / drafter_file(dsha), bytes(drafter_state))
             _atomic_write(self.path / PREV, self._state_bytes)
             pause = float(os.environ.get("SWIFTWRITE_SLOW_CHECKPOINT") or 0)  # tests: widen the kill window
             _atomic_write(self.path / STATE, data, pause)
         except OSError as e:
             raise self._write_error(e) from e
+        kept = self._state["drafter_sha256"]  # now state.prev.json's: its file stays for that fallback
         self._state, self._state_bytes, self.finished = json.loads(data), data, finished
         self._drafter = bytes(drafter_state) if drafter_state is not None else None
-        if drafter_state is None:  # not recorded any more; don't leave a file that looks current
-            (self.path / DRAFTER).unlink(missing_ok=True)
+        self._sweep_drafters(dsha, kept)
+
+    def _sweep_drafters(self, *keep: str | None) -> None:
+        names = {drafter_file(k) for k in keep if k}
+        for f in [*self.path.glob("drafter-*.bin"), self.path / DRAFTER]:
+            if f.name not in names:
+                try:
+                    f.unlink(missing_ok=True)
+                except OSError:
+                    pass  # a stale file costs disk space, never text
+
+    def log_progress(self, record: dict) -> None:
+        """One JSON line per checkpoint in progress.jsonl, for whoever watches a long run. Best effort: the
+        checkpoint just written is what matters, and a torn last line (a kill) is skipped by readers."""
+        try:
+            with open(self.path / PROGRESS, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        except OSError:
+            pass
 
     def _new_state(self, stats: dict, drafter_sha: str | None, finished: bool, count: int) -> dict:
         return {"n_tokens": len(self.tokens), "tokens_sha256": self._tok_hash.copy().hexdigest(),
@@ -358,11 +391,57 @@ def _atomic_write(path: Path, data: bytes, pause: float = 0.0) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(d: Path) -> None:
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def drafter_file(sha: str) -> str:
+    return f"drafter-{sha[:16]}.bin"
+
+
+def staging_dirs(path) -> list[Path]:
+    """Hidden siblings where a run directory at `path` is being (or was, if killed) created."""
+    final = Path(path).resolve()
+    return sorted(final.parent.glob(f"{STAGING_PREFIX}{final.name}.*"))
+
+
+def _sweep_staging(final: Path) -> None:
+    """Remove what killed create()s left: a staging directory whose lock nobody holds."""
+    for d in staging_dirs(final):
+        try:
+            fd = os.open(d / LOCK, os.O_RDWR)
+        except FileNotFoundError:
+            fd = None  # killed before it took the lock, or still about to: only remove it if its pid is gone
+            pid = d.name.rsplit(".", 1)[-1]
+            if pid.isdigit() and _alive(int(pid)):
+                continue
+        except OSError:
+            continue
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # another process is creating this run right now
+            finally:
+                os.close(fd)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _read_state(path: Path) -> tuple[dict | None, bytes, str]:

@@ -225,6 +225,27 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
     from .model import SUPPORTED_ARCHS, ModelConfig, read_hf_config
 
     raw = read_hf_config(ref.path)
+    if isinstance(raw, dict) and raw.get("model_type") not in SUPPORTED_ARCHS:
+        from transformers import AutoConfig
+        from transformers.utils import logging as hf_logging
+
+        from .hfmodel import config_from, weight_files
+
+        hf_logging.set_verbosity_error()
+        if not weight_files(ref.path):
+            raise UserError(f"{ref.path} has a '{raw.get('model_type')}' configuration but no weights "
+                            "(*.safetensors or pytorch_model.bin); check the model directory.")
+        try:
+            mcfg = config_from(AutoConfig.from_pretrained(str(ref.path)))
+        except UserError:
+            raise
+        except Exception as e:  # an architecture this transformers does not know, or a broken config
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            raise UserError(f"architecture '{raw.get('model_type')}' of {ref.path} is not in the lean forward's family "
+                            f"({', '.join(SUPPORTED_ARCHS)}) and transformers cannot read it either ({first}).") from None
+        display.info(f"architecture '{mcfg.arch}' is outside the lean forward's family ({', '.join(SUPPORTED_ARCHS)}); "
+                     "running it through transformers, which is slower, and without multi-token heads.")
+        return _loaded(ref, mcfg, device, dtype)
     try:
         mcfg = ModelConfig.from_hf(raw)
     except KeyError as e:
@@ -233,9 +254,10 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
     except (TypeError, AttributeError, ValueError):
         raise UserError(f"{ref.path / 'config.json'} is not a model configuration (a JSON object of settings); "
                         "re-download or re-convert the model.") from None
-    if mcfg.arch not in SUPPORTED_ARCHS:
-        raise UserError(f"architecture '{mcfg.arch}' of {ref.path} is not supported; "
-                        f"swiftwrite runs the {', '.join(SUPPORTED_ARCHS)} families.")
+    return _loaded(ref, mcfg, device, dtype)
+
+
+def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype) -> Loaded:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -249,9 +271,14 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
 
 
 def load_weights(lm: Loaded) -> None:
-    from .model import load_lean
+    from .model import SUPPORTED_ARCHS, load_lean
 
-    lm.model = load_lean(lm.ref.path, lm.device, lm.dtype)
+    if lm.mcfg.arch in SUPPORTED_ARCHS:
+        lm.model = load_lean(lm.ref.path, lm.device, lm.dtype)
+    else:
+        from .hfmodel import load_hf
+
+        lm.model = load_hf(lm.ref.path, lm.device, lm.dtype)
 
 
 def load(cfg: Config, display: Display) -> Loaded:
@@ -308,7 +335,8 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
         penalty=cfg.penalty, window=cfg.penalty_window, suppress=() if cfg.stop_at_eos else stops, seed=cfg.seed,
     )
     names = [] if cfg.draft == "none" else (list(SOURCES) if cfg.draft == "all" else [cfg.draft])
-    heads = load_head_drafter(lm, required=cfg.draft == "heads", display=display) if "heads" in names else None
+    heads = load_head_drafter(lm, required=cfg.draft == "heads", display=display, cfg=cfg, window=window) \
+        if "heads" in names else None
     if heads is None and "heads" in names:
         names.remove("heads")  # "all" without heads for this model: the train-free sources alone
     sources, stats = make_sources(names, model.cfg.vocab_size, static_tree=cfg.static_tree, heads=heads)
@@ -327,11 +355,17 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
     return engine
 
 
-def load_head_drafter(lm: Loaded, required: bool, display: Display):
+def load_head_drafter(lm: Loaded, required: bool, display: Display, cfg: Config | None = None,
+                      window: "Window | None" = None):
     """The heads factory for this model (its own trained heads, else the shipped ones), or None. Missing or
     unusable heads are an error for --draft heads and a notice for --draft all."""
-    from .heads import HeadsDrafter, HeadsError, default_heads_path, load_heads
+    from .heads import HeadsDrafter, HeadsError, TwoPassHeadsDrafter, default_heads_path, load_heads
 
+    if getattr(lm.model, "fallback", False):
+        if required:
+            raise UserError(f"multi-token heads need the lean forward, and {lm.ref.name} ('{lm.mcfg.arch}') runs through "
+                            "transformers; use --draft all or recycling.")
+        return None
     path = default_heads_path(lm.ref.fingerprint)
     if path is None:
         if required:
@@ -339,12 +373,20 @@ def load_head_drafter(lm: Loaded, required: bool, display: Display):
                             f"{lm.ref.name} --self-distill` or use --draft all.")
         return None
     try:
-        return HeadsDrafter.factory(load_heads(path, lm.model, lm.ref.fingerprint), lm.model)
+        heads = load_heads(path, lm.model, lm.ref.fingerprint)
     except HeadsError as e:
         if required:
             raise
         display.info(f"heads not used: {e}")
         return None
+    if cfg is None or cfg.head_mode == "fused":
+        return HeadsDrafter.factory(heads, lm.model)
+    kv_budget = cfg.draft_kv_budget
+    if window is not None and kv_budget > window.context:
+        display.info(f"--draft-kv-budget {kv_budget} is more than the {window.context}-token context; the draft "
+                     f"forward reads the whole context.")
+        kv_budget = window.context
+    return TwoPassHeadsDrafter.factory(heads, lm.model, kv_budget)
 
 
 def _available_memory() -> int | None:
@@ -358,7 +400,12 @@ def _available_memory() -> int | None:
     return None
 
 
-def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display: Display | None = None) -> None:
+def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display: Display | None = None,
+               upto: int | None = None) -> None:
+    """Give an automatic-budget engine its cost curves: measured once per machine and context bucket, cached
+    on disk. The current bucket is measured now rather than inside the first step, and with `upto` (the
+    longest context this run will reach) every later bucket too, so no measurement lands inside a timed
+    loop (bench) or stalls a step mid-run."""
     if not engine.sources or engine.budget is not None:
         return
     import torch
@@ -376,6 +423,17 @@ def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display:
                                        lambda: budget_mod.measure(lm.model, cache))
 
     engine.cost_at = cost_at
+    engine.cost = cost_at(engine.cache)
+    engine._cost_bucket = engine.cache.length // COST_BUCKET
+    if upto:
+        cache, length = engine.cache, engine.cache.length
+        try:
+            last = min(upto, engine.window.context, cache.capacity - budget_mod.SIZES[-1]) // COST_BUCKET
+            for bucket in range(length // COST_BUCKET + 1, last + 1):
+                cache.length = bucket * COST_BUCKET  # scratch slots past the committed ones: timing only
+                cost_at(cache)
+        finally:
+            cache.length = length
 
 
 def pack_state(state: dict) -> bytes | None:
@@ -455,6 +513,7 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
                *([{k: prev.get(k) for k in ("tokens", "seconds", "forward_passes")}] if prev.get("tokens") else [])]
     per_source = {name: 0 for name in (s.name for s in engine.sources)}
     forwards = 0
+    drafted = 0  # draft nodes verified
     made = 0
     since = 0
     tail = ""
@@ -486,6 +545,10 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
         nonlocal since, checkpoints, last_cp
         rd.checkpoint(stats(), pack_state(engine.drafter_state()), finished=finished)
         since, checkpoints, last_cp = 0, checkpoints + 1, time.time()
+        rd.log_progress({"time": round(last_cp, 3), "pid": os.getpid(), "total_tokens": done, "tokens": made,
+                         "seconds": round(time.perf_counter() - t0, 3), "forward_passes": forwards,
+                         "accepted": dict(per_source), "drafted": drafted,
+                         "rss_bytes": _rss_now(), "peak_rss_bytes": _rss(), "kv_cache_bytes": engine.cache.nbytes})
 
     def emit(text: str):
         try:
@@ -505,6 +568,7 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
         with Interrupt() as intr, torch.inference_mode():
             for step in engine.run(target - done):
                 forwards += 1
+                drafted += step.drafted
                 made += len(step.tokens)
                 done += len(step.tokens)
                 since += len(step.tokens)
@@ -560,7 +624,17 @@ def _int(v, upper: int) -> int:
 
 
 def _rss() -> int:
+    """Peak resident memory of this process, bytes."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rss_now() -> int:
+    """Current resident memory (Linux /proc; elsewhere the peak), bytes: what shows whether memory stays flat."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return _rss()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -593,6 +667,10 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
     RunDir.check_new(path)
     lm = open_model(cfg, display)
     ids = prompt_ids(lm.tok, text, cfg.raw)
+    if ids and max(ids) >= lm.mcfg.vocab_size:
+        raise UserError(f"the tokenizer in {lm.ref.path} produced token id {max(ids)}, but the model has only "
+                        f"{lm.mcfg.vocab_size} embeddings: tokenizer and weights do not belong together; "
+                        "re-download or re-convert the model.")
     window = make_window(cfg, lm, len(ids), display)
     load_weights(lm)
     engine = build_engine(cfg, lm, window, len(ids) + cfg.tokens, display)
@@ -603,7 +681,7 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
             display.info(f"run directory: {rd.path}")
             with interrupted_before_the_loop(rd):
                 engine.start(ids)
-                fit_budget(engine, lm)
+                fit_budget(engine, lm, upto=len(ids) + cfg.tokens)
             return run_loop(cfg, lm, rd, engine, out, display, stats_json)
         finally:
             rd.close()
@@ -667,7 +745,7 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
             display.info(w)
         with interrupted_before_the_loop(rd):
             engine.start(rd.prompt_ids + rd.tokens)
-            fit_budget(engine, lm)
+            fit_budget(engine, lm, upto=len(rd.prompt_ids) + cfg.tokens)
         display.info(f"resuming {rd.path} at {len(rd.tokens)}/{cfg.tokens} tokens")
         existing = (rd.path / "output.txt").read_text(encoding="utf-8") if out_path is not None else None
         out = _open_out(out_path, existing)

@@ -75,7 +75,7 @@ CASES = [
     ("model-dir-without-config", [*GEN, "--model", "{model_noconfig}"], 1, None),
     ("model-dir-corrupt-config", [*GEN, "--model", "{model_badjson}"], 1, None),
     ("model-dir-config-not-a-model", [*GEN, "--model", "{model_notmodel}"], 1, None),
-    ("model-dir-unsupported-arch", [*GEN, "--model", "{model_gpt2}"], 1, None),
+    ("model-dir-fallback-arch-without-weights", [*GEN, "--model", "{model_gpt2}"], 1, None),
     ("model-dir-no-tokenizer [loads transformers]", [*GEN, "--model", "{model_notok}"], 1, None),
     ("model-dir-truncated-safetensors [loads tokenizer]", [*GEN, "--model", "{model_truncated}"], 1, None),
     ("model-gguf-garbage", [*GEN, "--model", "{gguf}"], 1, None),

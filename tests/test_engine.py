@@ -210,6 +210,44 @@ def test_auto_budget_verifies_larger_trees_on_a_flat_cost_curve_than_on_a_steep_
     assert max(x.forward_tokens for x in steep) <= 16
 
 
+def test_an_auto_budget_at_zero_rests_and_still_looks_again_every_explore_period(models):
+    """A cost curve where no draft can pay: a costly source sits out the resting steps, and every
+    EXPLORE_EVERY steps all sources propose and a 2-node tree is verified anyway."""
+    from swiftwrite.engine import EXPLORE_EVERY
+
+    hopeless = CostCurve(SIZES, [1.0, 100.0, 200.0, 400.0, 800.0, 1600.0, 3200.0])
+    prompt, s = prompt_for("qwen3-s1"), SETTINGS["greedy-w32"]
+    calls = []
+    model = models("qwen3-s1")
+    sources, stats = make_sources(["recycling", "ngram"], model.cfg.vocab_size)
+    costly = sources[0]
+    costly.costly = True  # as the heads are
+    real = costly.propose
+    costly.propose = lambda *a: (calls.append(1), real(*a))
+    engine = Engine(model, Sampler(s, model.cfg.vocab_size), Window(model.cfg.max_positions, len(prompt)), sources,
+                    stats, cost=hopeless, capacity=len(prompt) + 401)
+    engine.start(prompt)
+    steps = list(engine.run(400))
+    explored = [x for x in steps if x.forward_tokens > 1]
+    assert all(x.forward_tokens == 3 for x in explored)
+    assert len(steps) // (2 * EXPLORE_EVERY) <= len(explored) <= len(steps) // EXPLORE_EVERY + 1
+    assert len(calls) <= 3 * len(steps) / EXPLORE_EVERY  # the costly source proposes only when looking again
+
+
+def test_the_budget_calibration_follows_what_verification_accepts(models):
+    """Estimates that overpromise (rates fitted on lucky nodes) are scaled down by what was accepted."""
+    prompt, s = prompt_for("qwen3-s1"), SETTINGS["greedy-w32"]
+    model = models("qwen3-s1")
+    sources, stats = make_sources(["recycling", "ngram"], model.cfg.vocab_size)
+    engine = Engine(model, Sampler(s, model.cfg.vocab_size), Window(model.cfg.max_positions, len(prompt)), sources,
+                    stats, cost=FLAT, capacity=len(prompt) + 301)
+    engine.start(prompt)
+    steps = list(engine.run(300))
+    accepted = sum(len(x.tokens) - 1 for x in steps[-60:])
+    assert 0 < engine.calibration < 1.0  # 63-node trees: most estimates are long shots that missed
+    assert accepted > 0
+
+
 def test_speculative_equals_plain_with_a_penalty_window_shorter_than_the_tree(models):
     settings = SamplerSettings(penalty=1.3, window=2)  # Config accepts any window >= 0; ngram drafts are 3 deep
     ref = generate(models("qwen3-s1"), prompt_for("qwen3-s1"), settings, n=300)[0]

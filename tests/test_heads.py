@@ -22,7 +22,8 @@ from swiftwrite import heads as heads_mod
 from swiftwrite import store
 from swiftwrite.engine import SOURCES, Engine, make_sources
 from swiftwrite.errors import UsageError, UserError
-from swiftwrite.heads import GAMMA, Heads, HeadsDrafter, HeadsError, default_heads_path, load_heads, save_heads
+from swiftwrite.heads import (GAMMA, Heads, HeadsDrafter, HeadsError, TwoPassHeadsDrafter, default_heads_path, load_heads,
+                              save_heads)
 from swiftwrite.model import load_lean
 from swiftwrite.sampling import Sampler, SamplerSettings
 from swiftwrite.train_heads import BRIEFS, fit, train
@@ -315,12 +316,15 @@ SETTINGS = {
 TINY_MODELS = {"llama-s0": ("llama", 0), "qwen3-s1": ("qwen3", 1)}
 
 
-def generate(model, prompt, settings, names=(), heads=None, budget=16, n=N_TOKENS):
+def generate(model, prompt, settings, names=(), heads=None, budget=16, n=N_TOKENS, context=None, engine_out=None):
     sources, stats = make_sources(list(names), model.cfg.vocab_size, heads=heads)
-    engine = Engine(model, Sampler(settings, model.cfg.vocab_size), Window(model.cfg.max_positions, len(prompt)),
-                    sources, stats, budget=budget, capacity=len(prompt) + n + 1)
+    window = Window(context or model.cfg.max_positions, len(prompt))
+    engine = Engine(model, Sampler(settings, model.cfg.vocab_size), window, sources, stats, budget=budget,
+                    capacity=len(prompt) + n + 1)
     engine.start(prompt)
     steps = list(engine.run(n))
+    if engine_out is not None:
+        engine_out.append(engine)
     return [t for s in steps for t in s.tokens], steps
 
 
@@ -339,7 +343,9 @@ def trained(tmp_path_factory):
             plain = {k: generate(model, prompt, s)[0] for k, s in SETTINGS.items()}
             windows = [np.array(prompt + out) for out in plain.values()]
             heads, _ = fit(model, windows, windows[:1], steps=300, batch=256, lr=3e-2, distill=0.0, log=lambda m: None)
-            built[model_id] = model, prompt, plain, HeadsDrafter.factory(heads, model)
+            factory = HeadsDrafter.factory(heads, model)
+            factory.heads = heads  # for the two-pass tests, which make their own factories
+            built[model_id] = model, prompt, plain, factory
         return built[model_id]
 
     return get
@@ -357,6 +363,39 @@ def test_speculative_with_heads_equals_plain(trained, model_id, setting, names):
         from_heads = sum(bool(m & HEADS_BIT) for s in steps for m in s.accepted_sources)
         assert from_heads >= 0.1 * N_TOKENS, f"only {from_heads} tokens came from head drafts: the test proves little"
         assert max(len(s.tokens) for s in steps) >= 3
+
+
+@pytest.mark.parametrize("kv_budget", [48, 4096], ids=["partial-cache", "whole-context"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_two_pass_heads_equal_plain_and_draft_one_level_deeper(trained, setting, kv_budget):
+    """With a 48-slot draft cache the draft forward sees sinks + selection + recent past (rebuilt many times
+    over 600 tokens); with 4096 it sees the whole context, so its depth-1 guess is the model's own."""
+    model, prompt, plain, factory = trained("llama-s0")
+    two_pass = TwoPassHeadsDrafter.factory(factory.heads, model, kv_budget)
+    engines = []
+    got, steps = generate(model, prompt, SETTINGS[setting], ["heads"], heads=two_pass, budget=8, engine_out=engines)
+    assert got == plain[setting]
+    (drafter,) = engines[0].sources
+    assert len(steps) - 3 <= drafter.draft_forwards <= len(steps)  # none when the step may draft nothing
+    if kv_budget == 48:
+        assert drafter.partial.rebuilds >= 10, drafter.partial.rebuilds
+    from_heads = sum(bool(m & HEADS_BIT) for s in steps for m in s.accepted_sources)
+    # Over the whole context the depth-1 guess is the model's own choice (before the penalty); 48 slots of a
+    # random tiny model's context keep far less of it.
+    assert from_heads >= (0.1 if kv_budget == 48 else 0.3) * N_TOKENS, from_heads
+
+
+def test_two_pass_heads_equal_plain_across_context_rebuilds(trained):
+    """A 256-token context: the verification cache is rebuilt several times in 1,000 tokens, and the partial
+    draft cache (64 slots) must follow each rebuild to new slots and positions."""
+    model, prompt, _, factory = trained("qwen3-s1")
+    settings = SETTINGS["sample"]
+    plain, _ = generate(model, prompt, settings, n=1000, context=256)
+    engines = []
+    got, steps = generate(model, prompt, settings, ["recycling", "ngram", "heads"], n=1000, context=256,
+                          heads=TwoPassHeadsDrafter.factory(factory.heads, model, 64), engine_out=engines)
+    assert sum(s.rebuilt for s in steps) >= 5
+    assert got == plain
 
 
 # ---------------------------------------------------------------------------------------------------------

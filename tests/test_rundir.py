@@ -12,7 +12,7 @@ import time
 import pytest
 
 from swiftwrite.errors import UserError
-from swiftwrite.rundir import RunDir
+from swiftwrite.rundir import RunDir, staging_dirs
 
 CONFIG = {"model": "smollm2-135m", "max_tokens": 100, "sampling": {"temperature": 0.0}}
 
@@ -141,15 +141,41 @@ def test_both_state_files_corrupt_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["flip", "delete"])
-def test_a_damaged_drafter_bin_gives_none_and_a_warning(tmp_path, damage):
+def test_a_damaged_drafter_file_gives_none_and_a_warning(tmp_path, damage):
     make(tmp_path, drafter=b"drafter state").close()
+    (f,) = tmp_path.glob("drafter-*.bin")
     if damage == "flip":
-        (tmp_path / "drafter.bin").write_bytes(b"drafter statE")
+        f.write_bytes(b"drafter statE")
     else:
-        (tmp_path / "drafter.bin").unlink()
+        f.unlink()
     with RunDir.open(tmp_path) as rd:
         assert rd.drafter_state() is None and rd.tokens == [1, 2, 3]
-        assert len(rd.warnings) == 1 and "drafter.bin" in rd.warnings[0]
+        assert len(rd.warnings) == 1 and f.name in rd.warnings[0]
+
+
+def test_only_the_drafter_files_of_the_last_two_checkpoints_are_kept(tmp_path):
+    with make(tmp_path, chunks=[(1,), (2,), (3,), (4,)], drafter=None) as rd:
+        for i in range(5):
+            rd.append([10 + i], "x")
+            rd.checkpoint({}, drafter_state=b"state %d" % i)
+        assert len(list(tmp_path.glob("drafter-*.bin"))) == 2
+        rd.append([99], "y")
+        rd.checkpoint({}, drafter_state=None)  # no drafter any more: only state.prev.json's file remains
+    assert len(list(tmp_path.glob("drafter-*.bin"))) == 1
+    (tmp_path / "state.json").write_text("{")  # falls back to state.prev.json, whose drafter file was kept
+    with RunDir.open(tmp_path) as rd:
+        assert rd.drafter_state() == b"state 4" and rd.warnings == []
+
+
+def test_a_run_written_with_the_old_drafter_bin_name_still_gives_its_drafter(tmp_path):
+    make(tmp_path, drafter=b"old layout").close()
+    (f,) = tmp_path.glob("drafter-*.bin")
+    f.rename(tmp_path / "drafter.bin")
+    with RunDir.open(tmp_path) as rd:
+        assert rd.drafter_state() == b"old layout"
+        rd.append([4], "<4>")
+        rd.checkpoint({}, drafter_state=b"new layout")
+    assert not (tmp_path / "drafter.bin").exists()
 
 
 def test_unreadable_meta_or_config_is_refused(tmp_path):
@@ -203,6 +229,47 @@ def test_a_create_that_fails_midway_leaves_nothing_that_looks_valid(tmp_path, mo
     with pytest.raises(UserError):
         RunDir.create(tmp_path / "empty", CONFIG, "p", [1], "fp")
     assert not (tmp_path / "new").exists() and os.listdir(tmp_path / "empty") == []
+    assert sorted(os.listdir(tmp_path)) == ["empty"]  # no staging directory left either
+
+
+def test_create_builds_in_a_hidden_staging_directory_and_renames_it_into_place(tmp_path, monkeypatch):
+    seen = []
+    real_rename = os.rename
+
+    def rename(src, dst):
+        seen.append((sorted(os.listdir(src)), os.path.exists(dst)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    RunDir.create(tmp_path / "run", CONFIG, "p", [1], "fp").close()
+    (files, existed), = seen
+    assert "meta.json" in files and "state.json" in files and not existed
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_a_staging_directory_left_by_a_killed_create_is_swept_and_the_path_stays_free(tmp_path):
+    """A SIGKILL inside create() leaves only a hidden sibling; the same command works again and removes it."""
+    run = tmp_path / "run"
+    child = spawn(f"""
+        import os
+        from swiftwrite import rundir
+        real = rundir._atomic_write
+        def slow(path, data, pause=0.0):
+            real(path, data)
+            if path.name == "state.json":
+                print("ready", flush=True)
+                import time; time.sleep(60)
+        rundir._atomic_write = slow
+        rundir.RunDir.create({str(run)!r}, {{"a": 1}}, "p", [1], "fp")
+    """)
+    (stage,) = staging_dirs(run)
+    assert (stage / "meta.json").exists() and not run.exists()
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    with pytest.raises(UserError, match="does not exist"):
+        RunDir.open(run)
+    RunDir.create(run, CONFIG, "p", [1], "fp").close()
+    assert staging_dirs(run) == [] and (run / "meta.json").exists()
 
 
 def test_a_config_that_yaml_cannot_write_is_rejected_before_touching_disk(tmp_path):
@@ -304,5 +371,26 @@ def test_a_process_killed_inside_the_checkpoint_window_leaves_the_previous_check
     with RunDir.open(tmp_path) as rd:
         assert rd.tokens == [1, 2, 3] and rd.stats == {"n": 3}
         assert "recovered from the checkpoint at 3 tokens" in rd.recovered
-        assert rd.drafter_state() is None  # drafter.bin is already the new one, but not recorded
+        assert rd.drafter_state() is None  # the checkpoint recorded none
     assert not (tmp_path / "state.json.tmp").exists()
+
+
+def test_a_kill_after_the_new_drafter_file_but_before_the_state_keeps_the_recorded_drafter(tmp_path):
+    make(tmp_path, drafter=b"old").close()
+    child = spawn(f"""
+        from swiftwrite.rundir import RunDir
+        rd = RunDir.open({str(tmp_path)!r})
+        rd.append([4, 5], "<4><5>")
+        print("ready", flush=True)
+        rd.checkpoint({{"n": 5}}, drafter_state=b"new")
+    """, SWIFTWRITE_SLOW_CHECKPOINT="30")
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "state.json.tmp").exists():
+        assert time.monotonic() < deadline and child.poll() is None, child.stderr.read()
+        time.sleep(0.01)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert len(list(tmp_path.glob("drafter-*.bin"))) == 2  # the new one is on disk, unrecorded
+    with RunDir.open(tmp_path) as rd:
+        assert rd.tokens == [1, 2, 3] and rd.drafter_state() == b"old" and rd.warnings == []
+    assert len(list(tmp_path.glob("drafter-*.bin"))) == 1

@@ -4,6 +4,7 @@ survive a save/load; the budget follows the cost curve; the context window is a 
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 
@@ -310,6 +311,36 @@ def test_steep_cost_picks_a_small_budget():
     scores = [0.9, 0.8] + [0.4] * 30 + [0.1] * 40
     assert 1 <= best_budget(scores, STEEP) <= 3
     assert best_budget([0.5] * 10, STEEP) == 0  # a node accepted half the time never pays 0.6 of a forward
+
+
+def test_a_calibration_below_one_shrinks_the_budget():
+    scores = [0.6] * 10
+    assert best_budget(scores, CPU) > 0
+    assert best_budget(scores, CPU, scale=0.1) == 0
+    assert best_budget(scores, FLAT, scale=0.1) == 10  # a flat curve still takes every node
+
+
+def test_an_inconsistent_cost_curve_is_remeasured_and_never_cached(tmp_path, monkeypatch):
+    """A forward that got slower with fewer tokens means another process had the CPU: not a curve to keep."""
+    from swiftwrite import budget
+
+    busy = [[1913.0, 2655.0, 2656.0, 2664.0, 2580.0, 71.6, 115.1]] * 3  # measured on 2026-11-29 under load
+    quiet = [19.2, 25.4, 26.3, 39.1, 50.5, 73.2, 116.1]
+    runs = iter(busy + [quiet])
+
+    def once(model, cache, reps, sizes):
+        c = CostCurve(SIZES, next(runs))
+        c.clean = bool(np.all(c.seconds >= 0.8 * np.maximum.accumulate(c.seconds)))
+        return c
+
+    monkeypatch.setattr(budget, "_measure_once", once)
+    path = tmp_path / "curves.json"
+    first = budget.cached_curve(path, "k", lambda: budget.measure(None, None))
+    assert not first.clean and list(first.seconds) == sorted(first.seconds)  # monotone envelope, this run only
+    assert not path.exists()
+    path.write_text(json.dumps({"k": CostCurve(SIZES, busy[0]).to_dict()}))  # an old bad entry is not trusted
+    second = budget.cached_curve(path, "k", lambda: budget.measure(None, None))
+    assert second.clean and json.loads(path.read_text())["k"]["ms"][0] == pytest.approx(19200.0)
 
 
 @pytest.mark.parametrize("cost", [FLAT, STEEP, CPU], ids=["flat", "steep", "cpu"])
