@@ -160,8 +160,12 @@ def plot(report: dict, run: Path, png: Path) -> bool:
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(14, 3.8))
     a1.bar(mid, [s["tokens_per_second"] or 0 for s in segs], width=[(s["to"] - s["from"]) / 1000 * 0.9 for s in segs])
     a1.set(xlabel="generated tokens (thousands)", ylabel="tokens/s", title="throughput per segment")
-    a2.plot(mid, [s["tokens_per_forward"] or 0 for s in segs], marker="o")
-    a2.set(xlabel="generated tokens (thousands)", ylabel="tokens per forward", title="acceptance per segment")
+    a2.plot(mid, [s["tokens_per_forward"] or 0 for s in segs], marker="o", label="tokens per forward")
+    a2.set(xlabel="generated tokens (thousands)", ylabel="tokens per forward", title="acceptance and Distinct-4 per segment")
+    b2 = a2.twinx()  # high acceptance on a looping text is no speed-up anyone wants: show both
+    b2.plot(mid, [s["distinct_4"] for s in segs], marker="s", color="tab:red", label="Distinct-4")
+    b2.set(ylabel="Distinct-4", ylim=(0, 1.05))
+    a2.legend(handles=a2.get_lines() + b2.get_lines(), fontsize=7, loc="center left")
     pts = [json.loads(line) for line in (run / PROGRESS).read_text().splitlines() if line.strip().endswith("}")]
     a3.plot([p["total_tokens"] / 1000 for p in pts], [p["rss_bytes"] / 2**20 for p in pts], lw=1)
     a3.set(xlabel="generated tokens (thousands)", ylabel="resident memory (MiB)", title="memory at each checkpoint")

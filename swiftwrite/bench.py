@@ -250,6 +250,8 @@ def plot(report: dict, out: Path) -> list[Path]:
             groups.setdefault((r["setting"], r["prompt"]), []).append(r)
     for (setting, prompt), rows in groups.items():
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        for ax in (ax1, ax2):
+            ax.set_prop_cycle(color=plt.cm.tab20.colors)  # a dozen methods: no two in one colour
         for r in rows:
             pts = [[0, 0.0, 0], *r["trace"]]
             x = [b[0] for b in pts[1:]]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,6 +150,50 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return o.view(H, n, D).transpose(0, 1).reshape(n, H * D)
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+class GpuAttention:
+    """Attention kernels for CUDA (or, for tests, the Triton interpreter on the CPU). `tree` is the Triton
+    tree-verification kernel from kernels/ (n <= 64 nodes against the cache plus their ancestors); `flash`
+    is flash-attn's causal kernel for prefill and single-token steps (bfloat16/float16 only). Either may be
+    None; then `attention` above does the work."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, choice: str):
+        self.tree = self.flash = None
+        want = choice if choice != "auto" else ("triton" if device.type == "cuda" else "torch")
+        if want == "triton":
+            try:
+                from kernels import tree_attention as ta
+            except ImportError:
+                ta = None
+            if ta is not None and ta.available():
+                self.tree = ta
+            elif choice == "triton":
+                raise UserError("SWIFTWRITE_ATTENTION=triton, but triton is not installed; "
+                                "`pip install swiftwrite[gpu]` or unset it.")
+        if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+            try:
+                from flash_attn import flash_attn_func
+            except ImportError:
+                flash_attn_func = None
+            self.flash = flash_attn_func
+
+    def tree_bits(self, mask: torch.Tensor | None, n: int):
+        """The kernel's ancestry bitmasks for a [n, n] tree mask, or None when the kernel does not apply."""
+        if self.tree is None or mask is None or n < 2 or mask.shape[1] != n or n > self.tree.MAX_NODES:
+            return None
+        return self.tree.ancestry_bits(mask)
+
+    def flash_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [H, n, D] of the last n positions, k/v [KV, T, D] including them -> [n, H*D]. flash-attn aligns
+        its causal mask to the bottom right, which is exactly "each new token sees the cache and its past"."""
+        H, n, D = q.shape
+        o = self.flash(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                       softmax_scale=scale, causal=n > 1)
+        return o[0].reshape(n, H * D)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -227,6 +272,10 @@ class LeanModel:
             self.layers.append(layer)
         self.cos, self.sin = rope_tables(cfg, cfg.max_positions, self.device, dtype)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        choice = os.environ.get("SWIFTWRITE_ATTENTION", "auto")
+        if choice not in ATTENTION_BACKENDS:
+            raise UserError(f"SWIFTWRITE_ATTENTION must be one of {', '.join(ATTENTION_BACKENDS)} (got {choice!r}).")
+        self.gpu = GpuAttention(self.device, dtype, choice)
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.cfg, capacity, self.device, self.dtype)
@@ -262,6 +311,7 @@ class LeanModel:
         if int(positions.max()) >= cfg.max_positions:
             raise RuntimeError(f"position {int(positions.max())} is past the model's {cfg.max_positions}")
         H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        given = mask  # None (causal) or the caller's mask, before it is completed with the cache's columns
         attn_mask = None
         if mask is not None or n > 1:
             if mask is None:
@@ -269,6 +319,10 @@ class LeanModel:
             if mask.shape[1] == n and start:
                 mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=self.device), mask], dim=1)
             attn_mask = mask
+        flash = self.gpu.flash is not None and given is None and kv is None
+        bits = None
+        if kv is None and not flash and n > 1:  # a tree, or a causal chunk when flash-attn is not there
+            bits = self.gpu.tree_bits(given if given is not None else mask[:, start:], n)
         cos, sin = self.cos[positions], self.sin[positions]
         x = self.embed[ids]
         q_size, kv_size = H * D, KV * D
@@ -286,7 +340,13 @@ class LeanModel:
             if kv is None:
                 cache.k[li, :, start:end] = k
                 cache.v[li, :, start:end] = v
-                o = attention(q, cache.k[li, :, :end], cache.v[li, :, :end], attn_mask, self.scale)
+                if bits is not None:
+                    o = self.gpu.tree.tree_attention(q, cache.k[li, :, :start], cache.v[li, :, :start], k, v, bits, self.scale)
+                    o = o.transpose(0, 1).reshape(n, H * D)
+                elif flash:
+                    o = self.gpu.flash_causal(q, cache.k[li, :, :end], cache.v[li, :, :end], self.scale)
+                else:
+                    o = attention(q, cache.k[li, :, :end], cache.v[li, :, :end], attn_mask, self.scale)
             else:
                 o = attention(q, *kv(li, q, k, v), None, self.scale)
             x = x + linear(o, L["wo"], L["bo"])

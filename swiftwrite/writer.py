@@ -310,6 +310,8 @@ def make_window(cfg: Config, lm: Loaded, prompt_len: int, display: Display) -> "
 
 def suppressed_ids(tok, mcfg: "ModelConfig") -> tuple[int, ...]:
     ids = set(mcfg.eos_token_ids)
+    if tok is None:  # ids-only callers (bench/gpu_check.py with random weights): the config's end ids
+        return tuple(sorted(ids))
     for t in (tok.eos_token_id, getattr(tok, "pad_token_id", None)):
         if t is not None:
             ids.add(int(t))

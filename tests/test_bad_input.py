@@ -35,8 +35,9 @@ NUMERIC_BAD = [  # (option, value): every numeric option given a non-number, a n
     ("context", "abc"), ("context", "-1"),
     ("threads", "abc"), ("threads", "-1"),
     ("seed", "abc"), ("seed", "-1"), ("seed", "1.5"),
+    ("draft-kv-budget", "abc"), ("draft-kv-budget", "16"), ("draft-kv-budget", "-1"),  # 16: no room past the sinks
 ]
-NAMES_BAD = [("draft", "everything"), ("template", "poem"), ("device", "tpu"), ("dtype", "int4")]
+NAMES_BAD = [("draft", "everything"), ("template", "poem"), ("device", "tpu"), ("dtype", "int4"), ("head-mode", "sideways")]
 
 # (id, argv, expected exit status, stdin). {placeholders} are paths from the `world` fixture; {run} is a fresh
 # path per case that must not exist afterwards. Every generate gets --draft none and a tiny --tokens.
@@ -46,6 +47,9 @@ CASES = [
     *[(f"--{o}={v}", [*GEN, f"--{o}", v], 2, None) for o, v in NAMES_BAD],
     ("missing-option-value", ["generate", "{prompt}", "--run-dir", "{run}", "--tokens"], 2, None),
     ("unknown-option", [*GEN, "--speed", "fast"], 2, None),
+    ("context-smaller-than-the-prompt", [*GEN, "--context", "16"], 1, None),
+    ("heads-two-pass-kv-budget-below-sinks", [*GEN[:-4], "--draft", "heads", "--head-mode", "two-pass",
+                                              "--draft-kv-budget", "8", "--tokens", "4"], 2, None),
     ("no-prompt-argument", ["generate"], 2, None),
     ("unknown-command", ["write", "{prompt}"], 2, None),
     ("env-wrong-type", [*GEN[:-2], "SWIFTWRITE_TEMPERATURE=hot"], 2, None),

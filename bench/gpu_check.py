@@ -1,0 +1,239 @@
+"""One GPU check, for a machine with an NVIDIA GPU, torch, triton and transformers installed and no network.
+
+    bash bench/gpu_check.sh [MODEL_DIR] [OUT_DIR]          (the shell wrapper: time limit, defaults)
+    python bench/gpu_check.py --model-dir DIR --out DIR     (this script)
+
+MODEL_DIR: the converted default model (a Hugging Face directory as `swiftwrite models pull` writes it), or
+a folder holding the model's GGUF file split into parts (`*.gguf.part-*`, reassembled here). Without one, a
+random-weight model of the default model's shape is used, and every figure from it is labelled so: its
+acceptance (and so the speed of drafting) means nothing, only the kernel, the equality and plain speed do.
+
+Writes OUT/gpu_check.json and OUT/gpu_check.md:
+  1. the Triton tree kernel against the torch reference (max abs error; bfloat16, float16, float32);
+  2. speculative (`--draft all`) against plain output, token for token, greedy and seeded sampling;
+  3. tokens per second of transformers `generate`, swiftwrite `--draft none` and `--draft all`, for short
+     and long outputs (--short, --long new tokens; the long ones cross context rebuilds past the window),
+     each under its own time budget so the whole script stays inside its limit.
+It also runs on a CPU (--device cpu, small --short/--long) so that it can be checked where no GPU is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # a CPU run of the script: the kernel goes through Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from swiftwrite.config import Config  # noqa: E402
+from swiftwrite.metrics import first_divergence  # noqa: E402
+
+# The default model's shape (SmolLM2-135M), for the random-weight stand-in.
+DEFAULT_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                     rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def kernel_check(device: str) -> list[dict]:
+    from kernels import tree_attention as ta
+
+    if not ta.available():
+        return [{"error": "triton is not installed"}]
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    dtypes = [torch.bfloat16, torch.float16, torch.float32] if device == "cuda" else [torch.float32]
+    shapes = [(9, 3, 64, 4096, 64), (9, 3, 64, 777, 17), (32, 8, 128, 8192, 32)] if device == "cuda" \
+        else [(9, 3, 64, 100, 8)]  # the CPU runs it in Triton's interpreter: a small shape to prove the script
+    for H, KV, D, T, n in shapes:
+        for dt in dtypes:
+            q = torch.randn(H, n, D, generator=g).to(device, dt)
+            kc, vc = (torch.randn(KV, T, D, generator=g).to(device, dt) for _ in range(2))
+            kt, vt = (torch.randn(KV, n, D, generator=g).to(device, dt) for _ in range(2))
+            anc = torch.eye(n, dtype=torch.bool)
+            for i in range(1, n):
+                anc[i] |= anc[int(torch.randint(0, i, (1,), generator=g))]
+            bits = ta.ancestry_bits(anc.to(device))
+            want = ta.reference(q, kc, vc, kt, vt, bits, D ** -0.5).float()
+            got = ta.tree_attention(q, kc, vc, kt, vt, bits, D ** -0.5).float()
+            rows.append({"shape": f"H{H} KV{KV} D{D} T{T} n{n}", "dtype": str(dt).replace("torch.", ""),
+                         "max_abs_error": float((got - want).abs().max())})
+    return rows
+
+
+def reassemble(model_dir: Path, work: Path) -> Path:
+    parts = sorted(model_dir.glob("*.gguf.part-*"))
+    if not parts:
+        return model_dir
+    out = work / parts[0].name.split(".part-")[0]
+    with open(out, "wb") as fh:
+        for p in parts:
+            fh.write(p.read_bytes())
+    log(f"reassembled {len(parts)} parts into {out} ({out.stat().st_size / 2**20:.0f} MiB)")
+    return out
+
+
+def random_model(work: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = work / "random-smollm2-shape"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**DEFAULT_SHAPE)).save_pretrained(str(path))
+    return path
+
+
+def load(model: Path, device: str, dtype: str):
+    from swiftwrite import writer
+    from swiftwrite.store import ModelRef
+
+    cfg = Config(model=str(model), device=device, dtype=dtype)
+    display = writer.Display("quiet")
+    if model.suffix == ".gguf" or (model / "tokenizer.json").exists() or (model / "tokenizer_config.json").exists():
+        return writer.load(cfg, display), display
+    # a random stand-in has no tokenizer: the engine needs only ids
+    from swiftwrite.model import load_lean
+
+    lm = writer.Loaded(ModelRef(name="random", path=model, fingerprint="random"), None, None, *writer.pick_device(cfg))
+    lm.model = load_lean(model, lm.device, lm.dtype)
+    lm.mcfg = lm.model.cfg
+    return lm, display
+
+
+def run_engine(lm, display, prompt: list[int], n: int, draft: str, settings: dict, budget_s: float):
+    from swiftwrite import writer
+
+    cfg = Config(draft=draft, tokens=n, **settings).validate()
+    engine = writer.build_engine(cfg, lm, len(prompt), len(prompt) + n, display)
+    engine.start(prompt)
+    writer.fit_budget(engine, lm, cfg, display, upto=len(prompt) + n)
+    out, t0 = [], time.perf_counter()
+    sync = torch.cuda.synchronize if lm.model.device.type == "cuda" else (lambda: None)
+    for step in engine.run(n):
+        out += step.tokens
+        if time.perf_counter() - t0 > budget_s:
+            break
+    sync()
+    secs = time.perf_counter() - t0
+    return out, secs, engine.forwards
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", type=Path, default=None)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--short", type=int, default=2000)
+    ap.add_argument("--long", type=int, default=32000)
+    ap.add_argument("--equal-tokens", type=int, default=500)
+    ap.add_argument("--budget-s", type=float, default=75.0, help="seconds each speed run may take at most")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    work = a.out / "work"
+    work.mkdir(exist_ok=True)
+    t_start = time.time()
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": a.device,
+              "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+              "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import triton
+
+        report["triton"] = triton.__version__
+    except ImportError:
+        report["triton"] = None
+    try:
+        import flash_attn
+
+        report["flash_attn"] = flash_attn.__version__
+    except ImportError:
+        report["flash_attn"] = None
+    log("kernel vs reference")
+    report["kernel"] = kernel_check(a.device)
+
+    model = reassemble(a.model_dir, work) if a.model_dir and a.model_dir.exists() else None
+    report["weights"] = "real" if model else "RANDOM (acceptance and drafting speed mean nothing)"
+    if model is None:
+        log("no model directory: a random-weight model of the default model's shape")
+        model = random_model(work)
+    lm, display = load(model, a.device, a.dtype)
+    report["model"] = str(model)
+    report["attention"] = {"tree_kernel": lm.model.gpu.tree is not None, "flash_attn": lm.model.gpu.flash is not None}
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(100, min(lm.model.cfg.vocab_size, 20000), (64,), generator=g).tolist()
+    if lm.tok is not None:
+        brief = (ROOT / "prompts" / "lighthouse.txt").read_text()
+        from swiftwrite.writer import apply_template, prompt_ids
+
+        prompt = prompt_ids(lm.tok, apply_template(brief, "novel"), False)
+
+    settings = {"greedy": dict(temperature=0.0, min_p=0.0, penalty=1.2),
+                "sample": dict(temperature=0.7, min_p=0.1, penalty=1.2, seed=7)}
+    report["equality"] = {}
+    for name, s in settings.items():
+        log(f"equality, {name}")
+        plain, _, _ = run_engine(lm, display, prompt, a.equal_tokens, "none", s, 1e9)
+        spec, _, _ = run_engine(lm, display, prompt, a.equal_tokens, "all", s, 1e9)
+        report["equality"][name] = {"tokens": a.equal_tokens, "first_divergence": first_divergence(spec, plain)}
+
+    rows = []
+    hf = None
+    for n in (a.short, a.long):
+        for method in ("hf", "none", "all"):
+            if method == "hf" and n == a.long:
+                continue  # generate has no context rebuild: past the window it would fail
+            log(f"speed {method} {n}")
+            if method == "hf":
+                from transformers import AutoModelForCausalLM
+
+                if hf is None:
+                    hf = AutoModelForCausalLM.from_pretrained(str(model) if model.is_dir() else str(lm.ref.path),
+                                                              dtype=lm.model.dtype).to(a.device).eval()
+                x = torch.tensor([prompt], device=a.device)
+                m = min(n, lm.model.cfg.max_positions - len(prompt))
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=m, min_new_tokens=m,
+                                    do_sample=False, repetition_penalty=1.2, pad_token_id=0)
+                if a.device == "cuda":
+                    torch.cuda.synchronize()
+                secs, made, fwd = time.perf_counter() - t0, y.shape[1] - x.shape[1], None
+            else:
+                out, secs, fwd = run_engine(lm, display, prompt, n, method, settings["greedy"], a.budget_s)
+                made = len(out)
+            rows.append({"method": method, "target_tokens": n, "tokens": made, "seconds": round(secs, 2),
+                         "tokens_per_second": round(made / secs, 1), "tokens_per_forward": round(made / fwd, 3) if fwd else None})
+            log(f"  {made / secs:.1f} tok/s")
+    report["speed"] = rows
+    report["seconds"] = round(time.time() - t_start, 1)
+    (a.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    md = [f"# GPU check, {report['date']}", "",
+          f"device {a.device} ({report['gpu']}), torch {report['torch']}, triton {report['triton']}, "
+          f"flash-attn {report['flash_attn']}; weights: {report['weights']}", "",
+          "| kernel shape | dtype | max abs error vs reference |", "|---|---|---:|",
+          *[f"| {r.get('shape')} | {r.get('dtype')} | {r.get('max_abs_error', r.get('error'))} |" for r in report["kernel"]],
+          "", "| equality | first divergence (None = identical) |", "|---|---|",
+          *[f"| {k} ({v['tokens']} tokens) | {v['first_divergence']} |" for k, v in report["equality"].items()],
+          "", "| method | new tokens (target) | tok/s | tok/forward |", "|---|---:|---:|---:|",
+          *[f"| {r['method']} | {r['tokens']} ({r['target_tokens']}) | {r['tokens_per_second']} | {r['tokens_per_forward'] or '-'} |"
+            for r in rows], ""]
+    (a.out / "gpu_check.md").write_text("\n".join(md))
+    print("\n".join(md))
+    subprocess.run(["rm", "-rf", str(work)], check=False)
+
+
+if __name__ == "__main__":
+    main()

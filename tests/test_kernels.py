@@ -1,0 +1,101 @@
+"""The Triton tree-attention kernel (kernels/tree_attention.py) against its torch reference and against the
+lean forward's own attention, run by Triton's interpreter on the CPU (TRITON_INTERPRET=1), and the lean
+forward with the kernel switched in (SWIFTWRITE_ATTENTION=triton) giving the same logits and the same text."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run in numpy on the CPU
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="the tree kernel needs triton (pip install -e '.[test]')")
+
+from kernels import tree_attention as ta  # noqa: E402
+from swiftwrite.model import attention, load_lean  # noqa: E402
+from swiftwrite.tree import DraftTree  # noqa: E402
+from tiny import tiny_hf_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def random_tree(n: int, gen: torch.Generator) -> torch.Tensor:
+    """bool [n, n] ancestry of a random tree whose parents precede children (node 0 the root)."""
+    anc = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        anc[i] |= anc[int(torch.randint(0, i, (1,), generator=gen))]
+    return anc
+
+
+@pytest.mark.parametrize("H,KV,D,T,n", [(4, 2, 16, 37, 5), (4, 4, 16, 0, 3), (6, 2, 32, 130, 64), (2, 1, 16, 200, 1)],
+                         ids=["gqa", "no-cache", "64-nodes", "one-node"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_kernel_matches_the_reference(H, KV, D, T, n, dtype):
+    g = torch.Generator().manual_seed(H * 100 + T + n)
+    q = torch.randn(H, n, D, generator=g).to(dtype)
+    kc, vc = (torch.randn(KV, T, D, generator=g).to(dtype) for _ in range(2))
+    kt, vt = (torch.randn(KV, n, D, generator=g).to(dtype) for _ in range(2))
+    kt = kt.transpose(1, 2).contiguous().transpose(1, 2)  # head dim not contiguous, as RoPE's output can be
+    bits = ta.ancestry_bits(random_tree(n, g))
+    want = ta.reference(q, kc, vc, kt, vt, bits, D ** -0.5).float()
+    got = ta.tree_attention(q, kc, vc, kt, vt, bits, D ** -0.5, block_t=32).float()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert (got - want).abs().max() < tol
+
+
+def test_reference_equals_the_lean_forwards_masked_attention():
+    g = torch.Generator().manual_seed(0)
+    H, KV, D, T, n = 6, 2, 16, 50, 9
+    q = torch.randn(H, n, D, generator=g)
+    k, v = torch.randn(KV, T + n, D, generator=g), torch.randn(KV, T + n, D, generator=g)
+    anc = random_tree(n, g)
+    mask = torch.cat([torch.ones(n, T, dtype=torch.bool), anc], dim=1)
+    lean = attention(q, k, v, mask, 0.25)  # [n, H*D]
+    ref = ta.reference(q, k[:, :T], v[:, :T], k[:, T:], v[:, T:], ta.ancestry_bits(anc), 0.25)
+    assert torch.allclose(lean, ref.transpose(0, 1).reshape(n, H * D), atol=1e-5)
+
+
+def test_ancestry_bits_and_their_limit():
+    anc = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    assert ta.ancestry_bits(anc).tolist() == [0b001, 0b011, 0b101]
+    big = torch.eye(65, dtype=torch.bool)
+    with pytest.raises(ValueError, match="64-bit"):
+        ta.ancestry_bits(big)
+    assert ta.ancestry_bits(torch.ones(64, 64, dtype=torch.bool).tril())[63] == -1  # all 64 bits: int64 -1
+
+
+def test_the_lean_forward_with_the_kernel_gives_the_same_tree_logits(tmp_path, monkeypatch):
+    path, _ = tiny_hf_model("qwen2", out_dir=tmp_path)
+    plain = load_lean(path)
+    monkeypatch.setenv("SWIFTWRITE_ATTENTION", "triton")
+    kernel = load_lean(path)
+    assert kernel.gpu.tree is not None and plain.gpu.tree is None
+    ids = torch.randint(3, 128, (20,), generator=torch.Generator().manual_seed(4))
+    tree = DraftTree()
+    tree.reset(int(ids[-1]))
+    for parent, tok in [(0, 5), (0, 6), (1, 7), (3, 8), (2, 9)]:
+        tree.add(parent, tok, 0.5, 0)
+    flat = tree.select(5, 8)
+    calls = []
+    real = ta.tree_attention
+    monkeypatch.setattr(ta, "tree_attention", lambda *a, **k: (calls.append(a[0].shape), real(*a, **k))[1])
+    out = []
+    for model in (plain, kernel):
+        cache = model.new_cache(64)
+        model.forward(ids[:-1], torch.arange(19), cache)
+        cache.length = 19
+        out.append(model.forward(flat.tokens, 19 + flat.depth, cache, flat.anc)[0])
+    assert torch.allclose(out[0], out[1], atol=1e-4)
+    # the kernel ran for the 19-token causal prefill and for the 6-node tree, in every layer
+    assert calls == [(4, 19, 16)] * 2 + [(4, 6, 16)] * 2
+
+
+def test_a_bad_attention_choice_is_one_sentence(tmp_path, monkeypatch):
+    from swiftwrite.errors import UserError
+
+    path, _ = tiny_hf_model("llama", out_dir=tmp_path)
+    monkeypatch.setenv("SWIFTWRITE_ATTENTION", "cuda-magic")
+    with pytest.raises(UserError, match="SWIFTWRITE_ATTENTION must be one of"):
+        load_lean(path)
