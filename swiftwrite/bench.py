@@ -58,6 +58,7 @@ class Result:
     per_source: dict | None = None
     draft_forwards: int = 0  # two-pass heads: the extra one-token forwards over the partial cache
     trace: list | None = None  # [tokens, seconds, forward passes] each time another TRACE_BIN tokens are out
+    peak_mib: float | None = None  # resident high-water mark during the method's last repeat (whole process)
 
 
 @dataclass
@@ -68,6 +69,27 @@ class One:
     per_source: dict | None = None
     draft_forwards: int = 0
     trace: list | None = None
+    peak_mib: float | None = None
+
+
+def _reset_peak_rss() -> None:
+    """Linux: restart the process's resident high-water mark, so each method's peak is its own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_mib() -> float | None:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 TRACE_BIN = 100  # tokens per point of the throughput / acceptance trace along the generated position
@@ -137,10 +159,12 @@ def run(methods: list[str], settings: list[str], prompts: list[Path], tokens: in
             for pname, ids in prompt_ids.items():
                 for method in methods:
                     r = results.setdefault((method, setting, pname), Result(method, setting, pname, [], []))
+                    _reset_peak_rss()
                     o = _one(method, SETTINGS[setting], ids, tokens, lm, hf, display)
                     r.seconds.append(o.seconds)
                     r.tokens, r.forwards, r.per_source, r.draft_forwards, r.trace = \
                         o.tokens, o.forwards, o.per_source, o.draft_forwards, o.trace
+                    r.peak_mib = _peak_rss_mib()
                     log(f"repeat {rep + 1}/{repeats} {setting:>16} {pname:>14} {method:>16}: {tokens / o.seconds:6.1f} tok/s")
     report = _report(results, methods, settings, prompt_ids, tokens, repeats, lm)
     if out is not None:
@@ -202,6 +226,7 @@ def _report(results, methods, settings, prompt_ids, tokens, repeats, lm) -> dict
             "mean_tokens_per_forward": round(tokens / r.forwards, 3) if r.forwards else None,
             "draft_forwards": r.draft_forwards,
             "trace": r.trace,
+            "peak_rss_mib": r.peak_mib,
             "accepted_per_forward": {k: round(v / r.forwards, 3) for k, v in r.per_source.items()} if r.per_source else None,
             "first_divergence_vs_none": (first_divergence(r.tokens, base.tokens) if base and not method.startswith("hf") else "n/a"),
             **distinct(r.tokens),
@@ -217,15 +242,15 @@ def _report(results, methods, settings, prompt_ids, tokens, repeats, lm) -> dict
 
 
 def markdown(report: dict) -> str:
-    head = ("| setting | prompt | method | tok/s | × none | × generate | tok/forward | accepted/forward | D-1 | D-4 | first diff |\n"
-            "|---|---|---|---:|---:|---:|---:|---|---:|---:|---|\n")
+    head = ("| setting | prompt | method | tok/s | × none | × generate | tok/forward | accepted/forward | D-1 | D-4 | peak MiB | first diff |\n"
+            "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|\n")
     lines = []
     for r in report["rows"]:
         acc = ", ".join(f"{k} {v}" for k, v in (r["accepted_per_forward"] or {}).items()) or "-"
         extra = f" (+{r['draft_forwards']} draft fwd)" if r.get("draft_forwards") else ""
         lines.append(f"| {r['setting']} | {r['prompt']} | {r['method']} | {r['tokens_per_second']} | {r['speedup_vs_none'] or '-'} | "
                      f"{r['speedup_vs_generate'] or '-'} | {r['mean_tokens_per_forward'] or '-'}{extra} | {acc} | {r['distinct_1']} | "
-                     f"{r['distinct_4']} | {r['first_divergence_vs_none']} |")
+                     f"{r['distinct_4']} | {r.get('peak_rss_mib') or '-'} | {r['first_divergence_vs_none']} |")
     m = report["machine"]
     meta = (f"{report['date']}, {m['cpu']} ({m['cores']} cores, {m['torch_threads']} torch threads), torch {m['torch']}, "
             f"model {report['model']}, {report['tokens']} new tokens, {report['repeats']} repeat(s), penalty window "

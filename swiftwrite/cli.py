@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from .errors import UserError
+from .errors import UsageError, UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Write long documents with a local language model, faster, token for token unchanged.")

@@ -85,6 +85,12 @@ CASES = [
     ("model-gguf-garbage", [*GEN, "--model", "{gguf}"], 1, None),
     ("model-gguf-missing", [*GEN, "--model", "{tmp}/absent.gguf"], 1, None),
     ("models-pull-unknown", ["models", "pull", "gpt-17"], 1, None),
+    # bench: refused before any long work
+    ("bench-unknown-method", ["bench", "--methods", "none,warp9"], 2, None),
+    ("bench-zero-repeats", ["bench", "--methods", "none", "--repeats", "0"], 2, None),
+    ("bench-missing-prompt", ["bench", "--methods", "none", "--prompts", "no-such-prompt.txt"], 2, None),
+    ("bench-out-under-a-file", ["bench", "--methods", "none", "--out", "{binary}/results"], 1, None),
+    ("bench-tokens-past-the-window [loads the model]", ["bench", "--methods", "none", "--tokens", "9000"], 2, None),
     # outputs and run directories
     ("out-into-missing-dir", [*GEN, "--out", "{tmp}/no/such/dir/out.txt"], 1, None),
     ("out-is-a-directory", [*GEN, "--out", "{tmp}"], 1, None),
