@@ -59,6 +59,14 @@ def reference(q, k_cache, v_cache, k_tree, v_tree, anc_bits, scale: float) -> to
 if triton is not None:
 
     @triton.jit
+    def _online_softmax_step(s, v, m, l, acc):
+        """Fold one block of scores s [B] and values v [B, D] into the running max m, sum l and output acc."""
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        p = tl.exp(s - m_new)
+        alpha = tl.exp(m - m_new)
+        return m_new, l * alpha + tl.sum(p, axis=0), acc * alpha + tl.sum(p[:, None] * v, axis=0)
+
+    @triton.jit
     def _tree_attention_kernel(
         Q, KC, VC, KT, VT, ANC, O,
         T, N, scale,
@@ -78,24 +86,15 @@ if triton is not None:
             ok = t < T
             k = tl.load(KC + kvh * s_kch + t[:, None] * s_kct + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
             s = tl.where(ok, tl.sum(k * q[None, :], axis=1), float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=0))
-            p = tl.exp(s - m_new)
-            alpha = tl.exp(m - m_new)
             v = tl.load(VC + kvh * s_vch + t[:, None] * s_vct + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-            l = l * alpha + tl.sum(p, axis=0)
-            m = m_new
+            m, l, acc = _online_softmax_step(s, v, m, l, acc)
         j = tl.arange(0, BLOCK_N)  # the tree: ancestors and the node itself
         bits = tl.load(ANC + i)
         ok = (j < N) & (((bits >> j.to(tl.int64)) & 1) == 1)
         k = tl.load(KT + kvh * s_kth + j[:, None] * s_ktn + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         s = tl.where(ok, tl.sum(k * q[None, :], axis=1), float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        p = tl.exp(s - m_new)
-        alpha = tl.exp(m - m_new)
         v = tl.load(VT + kvh * s_vth + j[:, None] * s_vtn + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        l = l * alpha + tl.sum(p, axis=0)
+        m, l, acc = _online_softmax_step(s, v, m, l, acc)
         tl.store(O + h * s_oh + i * s_on + d, (acc / l).to(O.dtype.element_ty))
 
 
