@@ -11,3 +11,9 @@ class UsageError(UserError):
     """A malformed command line or configuration value. Exit status 2, like argument parsers."""
 
     exit_code = 2
+
+
+def first_line(e: BaseException, limit: int = 160) -> str:
+    """The first line of an exception from a library (transformers, safetensors), short enough to sit inside
+    one of our sentences; its type name when it has no message."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from .drafting import AcceptanceStats, DraftSource
-from .errors import UserError
+from .errors import UserError, first_line
 from .model import LeanModel, linear, rms_norm
 from .tree import DraftTree
 
@@ -142,7 +142,7 @@ def read_metadata(path: Path) -> dict[str, str]:
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
     except Exception as e:  # safetensors raises its own error types, OSError and ValueError for damage
-        raise HeadsError(f"heads file {path} is corrupt or not a safetensors file ({_short(e)}); "
+        raise HeadsError(f"heads file {path} is corrupt or not a safetensors file ({first_line(e, 120)}); "
                          "train new heads with `swiftwrite train-heads`.") from None
     if meta.get("format") != FORMAT:
         raise HeadsError(f"{path} is a safetensors file but not a swiftwrite heads file; "
@@ -174,7 +174,7 @@ def load_heads(path: Path, model: LeanModel, fingerprint: str, gamma: int | None
     try:
         t = load_file(str(path))
     except Exception as e:
-        raise HeadsError(f"heads file {path} is corrupt ({_short(e)}); {retrain}.") from None
+        raise HeadsError(f"heads file {path} is corrupt ({first_line(e, 120)}); {retrain}.") from None
     shapes = {"in_norm": (g, D), "proj": (g, D, D), "out_norm": (g, D)}
     for name, shape in shapes.items():
         if name not in t or tuple(t[name].shape) != shape or not torch.isfinite(t[name]).all():
@@ -221,10 +221,6 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _short(e: Exception) -> str:
-    return (str(e).splitlines() or [type(e).__name__])[0][:120]
 
 
 # ---------------------------------------------------------------------------------------------------------

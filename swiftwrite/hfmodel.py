@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError
+from .errors import UserError, first_line
 from .model import ModelConfig
 
 
@@ -132,6 +132,5 @@ def load_hf(model_dir: Path, device="cpu", dtype=torch.float32) -> HFModel:
     except UserError:
         raise
     except Exception as e:  # transformers raises many kinds for an unknown or broken model
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise UserError(f"transformers cannot load {model_dir} ({first}); check the model directory.") from None
+        raise UserError(f"transformers cannot load {model_dir} ({first_line(e)}); check the model directory.") from None
     return HFModel(hf.to(device).eval(), cfg, device, dtype)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .config import Config
-from .errors import UsageError, UserError
+from .errors import UsageError, UserError, first_line
 from .rundir import RunDir
 from .store import ModelRef, home, resolve
 from .ui import Display, Progress, human_bytes
@@ -240,9 +240,8 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
         except UserError:
             raise
         except Exception as e:  # an architecture this transformers does not know, or a broken config
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
             raise UserError(f"architecture '{raw.get('model_type')}' of {ref.path} is not in the lean forward's family "
-                            f"({', '.join(SUPPORTED_ARCHS)}) and transformers cannot read it either ({first}).") from None
+                            f"({', '.join(SUPPORTED_ARCHS)}) and transformers cannot read it either ({first_line(e)}).") from None
         display.info(f"architecture '{mcfg.arch}' is outside the lean forward's family ({', '.join(SUPPORTED_ARCHS)}); "
                      "running it through transformers, which is slower, and without multi-token heads.")
         return _loaded(ref, mcfg, device, dtype)
@@ -265,8 +264,8 @@ def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype) -> Loaded:
     try:
         tok = AutoTokenizer.from_pretrained(str(ref.path))
     except Exception as e:  # transformers raises whatever its backend raises for a bad tokenizer file
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-        raise UserError(f"the tokenizer in {ref.path} cannot be loaded ({first}); re-download or re-convert the model.") from None
+        raise UserError(f"the tokenizer in {ref.path} cannot be loaded ({first_line(e, 120)}); "
+                        "re-download or re-convert the model.") from None
     return Loaded(ref, tok, mcfg, device, dtype)
 
 
