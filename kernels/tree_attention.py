@@ -68,11 +68,15 @@ if triton is not None:
 
     @triton.jit
     def _tree_attention_kernel(
-        Q, KC, VC, KT, VT, ANC, O,
+        Q, KC, VC, KT, VT, ANC, O, LEN,
         T, N, scale,
         s_qh, s_qn, s_kch, s_kct, s_vch, s_vct, s_kth, s_ktn, s_vth, s_vtn, s_oh, s_on,
-        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, LEN_IN_MEMORY: tl.constexpr,
     ):
+        if LEN_IN_MEMORY:  # a captured CUDA graph: the committed length is read at replay, not baked in
+            n_cached = tl.load(LEN)
+        else:
+            n_cached = T
         h = tl.program_id(0)
         i = tl.program_id(1)
         kvh = h // GROUP
@@ -81,9 +85,9 @@ if triton is not None:
         m = tl.full([], float("-inf"), tl.float32)  # running max of the scores
         l = tl.full([], 0.0, tl.float32)  # running sum of exp(score - m)
         acc = tl.zeros([D], dtype=tl.float32)
-        for t0 in range(0, T, BLOCK_T):  # the committed cache: every slot visible
+        for t0 in range(0, n_cached, BLOCK_T):  # the committed cache: every slot visible
             t = t0 + tl.arange(0, BLOCK_T)
-            ok = t < T
+            ok = t < n_cached
             k = tl.load(KC + kvh * s_kch + t[:, None] * s_kct + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
             s = tl.where(ok, tl.sum(k * q[None, :], axis=1), float("-inf"))
             v = tl.load(VC + kvh * s_vch + t[:, None] * s_vct + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
@@ -102,8 +106,13 @@ def available() -> bool:
     return triton is not None
 
 
-def tree_attention(q, k_cache, v_cache, k_tree, v_tree, anc_bits, scale: float, block_t: int = 64) -> torch.Tensor:
-    """The kernel; same arguments and result as `reference`. Needs triton (and a GPU, or TRITON_INTERPRET=1)."""
+def tree_attention(q, k_cache, v_cache, k_tree, v_tree, anc_bits, scale: float, block_t: int = 64,
+                   length: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel; same arguments and result as `reference`. Needs triton (and a GPU, or TRITON_INTERPRET=1).
+
+    `length`: a one-element int64 tensor on q's device. Then k_cache/v_cache are the whole preallocated
+    buffers and only their first `length` slots are read; the count is read by the kernel itself, so the
+    call has the same shapes at every step and can be captured in a CUDA graph (graphs.py)."""
     if triton is None:
         raise RuntimeError("triton is not installed; `pip install swiftwrite[gpu]` or use the torch attention")
     H, n, D = q.shape
@@ -120,10 +129,10 @@ def tree_attention(q, k_cache, v_cache, k_tree, v_tree, anc_bits, scale: float, 
     out = torch.empty_like(q)
     block_n = max(16, 1 << math.ceil(math.log2(max(n, 1))))
     _tree_attention_kernel[(H, n)](
-        q, k_cache, v_cache, k_tree, v_tree, anc_bits.contiguous(), out,
+        q, k_cache, v_cache, k_tree, v_tree, anc_bits.contiguous(), out, length if length is not None else anc_bits,
         T, n, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         k_tree.stride(0), k_tree.stride(1), v_tree.stride(0), v_tree.stride(1), out.stride(0), out.stride(1),
-        GROUP=H // KV, D=D, BLOCK_T=block_t, BLOCK_N=block_n,
+        GROUP=H // KV, D=D, BLOCK_T=block_t, BLOCK_N=block_n, LEN_IN_MEMORY=length is not None,
     )
     return out

@@ -50,6 +50,8 @@ def generate(
     context: Optional[str] = Opt(None, metavar="N", help="Tokens the model attends to (default: the model's window)."),
     device: Optional[str] = Opt(None, metavar="NAME", help="auto | cpu | cuda."),
     dtype: Optional[str] = Opt(None, metavar="NAME", help="auto | float32 | bfloat16 | float16."),
+    attention: Optional[str] = Opt(None, metavar="NAME", help="auto | torch | triton | flash (GPU kernels; default auto)."),
+    cuda_graphs: Optional[bool] = Opt(None, "--cuda-graphs", help="Replay verification forwards from CUDA graphs (GPU)."),
     threads: Optional[str] = Opt(None, metavar="N", help="CPU threads; 0 = torch's default."),
     quiet: bool = Opt(False, "--quiet", help="Print nothing but the text."),
     no_live: bool = Opt(False, "--no-live", help="Plain progress lines instead of the live panel."),
@@ -62,7 +64,8 @@ def generate(
     flags = dict(model=model, tokens=tokens, template=template, raw=raw, seed=seed, temperature=temperature,
                  top_p=top_p, min_p=min_p, top_k=top_k, penalty=penalty, penalty_window=penalty_window,
                  stop_at_eos=stop_at_eos, chunk=chunk, draft=draft, budget=budget, static_tree=static_tree,
-                 head_mode=head_mode, draft_kv_budget=draft_kv_budget, context=context, device=device, dtype=dtype, threads=threads)
+                 head_mode=head_mode, draft_kv_budget=draft_kv_budget, context=context, device=device, dtype=dtype, attention=attention,
+                 cuda_graphs=cuda_graphs, threads=threads)
     cfg = config_mod.resolve(config, flags)
     raise typer.Exit(run(cfg, prompt, run_dir, out, quiet, no_live, stats_json))
 

@@ -22,6 +22,9 @@ DRAFT_SINKS = 16  # draftcache.SINKS, repeated so that reading options never imp
 TEMPLATES = ("novel", "report", "none")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# auto: on CUDA the Triton tree kernel for trees and flash-attn for prefill/decoding where installed, torch
+# on the CPU; torch: torch everywhere; triton / flash: ask for that kernel (a notice and torch if it can't run)
+ATTENTIONS = ("auto", "torch", "triton", "flash")
 MAX_TOKENS = 10_000_000  # far past any model's usefulness; catches a typo'd extra zero or two
 
 
@@ -51,7 +54,13 @@ class Config:
     draft_kv_budget: int = 4096  # two-pass: slots of the partial draft cache (sinks + important + recent)
     context: int = 0  # tokens the model attends to; 0 = the model's window. Past it the context is rebuilt
     device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto (cuda: bfloat16, cpu: float32) | float32 | bfloat16 | float16
+    # auto = float32: in a half dtype a tree's forward rounds differently from a single step's, and speculative
+    # output can leave plain output at a near-tie (bench/dtype_cost.py); bfloat16/float16 on request, with a notice
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    attention: str = "auto"  # auto | torch | triton | flash: which attention kernels the forward uses
+    # replay the verification and decoding forwards from CUDA graphs (trees padded to 1, 2, 4 .. 64 nodes);
+    # CUDA with the Triton kernel only. Off by default until a GPU run shows it pays (bench/gpu_check.sh)
+    cuda_graphs: bool = False
     threads: int = 0  # torch CPU threads; 0 = torch's default
 
     def validate(self, where: dict[str, str] | None = None) -> "Config":
@@ -83,6 +92,7 @@ class Config:
         need(self.context >= 0, "context", "must be 0 (the model's window) or a positive number of tokens")
         need(self.device in DEVICES, "device", f"must be one of {', '.join(DEVICES)}")
         need(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+        need(self.attention in ATTENTIONS, "attention", f"must be one of {', '.join(ATTENTIONS)}")
         need(0 <= self.threads <= 1024, "threads", "must be 0 (torch's default) or a number of threads up to 1024")
         need(0 <= self.seed < 1 << 32, "seed", f"must be between 0 and {(1 << 32) - 1}")
         return self

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .config import ATTENTIONS
 from .errors import UserError
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -121,9 +122,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T. For a few rows, computing (w @ x.T).T picks a BLAS kernel that reads the weight once for
-    all rows; F.linear's small-M path on this CPU class costs nearly n times a single row (bench/forward_cost.py
-    measured 176 us vs 118 us for 2 rows of a 3072x576 matrix, 429 vs 325 us for 16)."""
+    """x @ w.T. In float32 on a CPU, computing (w @ x.T).T for a few rows picks a BLAS kernel that reads the
+    weight once for all rows; F.linear's small-M path on this CPU class costs nearly n times a single row
+    (bench/forward_cost.py measured 176 us vs 118 us for 2 rows of a 3072x576 matrix, 429 vs 325 us for 16),
+    and one row alone is padded to two (a one-row GEMV ran the 49,152x576 LM head at 6.8 ms vs 2.2 ms).
+    In bfloat16 the same trick is a loss (the LM head at 3.4 ms vs 1.7 ms, a whole 1-token forward of the
+    default model 27 ms vs 17 ms, bench/dtype_cost.py), and on a GPU F.linear is cuBLAS's own path."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return F.linear(x, w, b)
     if x.shape[0] == 1:
         y = (w @ x.repeat(2, 1).t())[:, :1].t()
     else:
@@ -150,33 +156,52 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return o.view(H, n, D).transpose(0, 1).reshape(n, H * D)
 
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+def attention_plan(choice: str, device_type: str, dtype: torch.dtype) -> tuple[bool, bool, list[str]]:
+    """Which kernels a forward on this device uses for `choice` (config.ATTENTIONS): (the Triton tree kernel,
+    flash-attn), plus one sentence for every kernel that was asked for but cannot run here, naming what is used
+    instead. `auto` asks for nothing, so it never explains: it takes what runs and uses torch for the rest."""
+    notes: list[str] = []
+    tree = flash = False
+    if choice == "triton" or (choice != "torch" and device_type == "cuda"):
+        from kernels import tree_attention as ta  # imports triton, if installed: not done on a CPU unasked
+
+        # the kernel runs on a GPU, or on the CPU inside Triton's interpreter (how the tests run it)
+        tree = ta.available() and (device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+        if choice == "triton" and not tree:
+            notes.append("--attention triton: " + ("triton is not installed (`pip install triton`)" if not ta.available()
+                                                   else "the Triton kernel needs a CUDA GPU") + "; using torch attention.")
+    if choice in ("auto", "flash") and device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        try:
+            import flash_attn  # noqa: F401
+
+            flash = True
+        except ImportError:
+            pass
+    if choice == "flash" and not flash:
+        why = ("it needs a CUDA GPU" if device_type != "cuda" else
+               "it needs bfloat16 or float16 (--dtype)" if dtype not in (torch.float16, torch.bfloat16) else
+               "flash-attn is not installed (`pip install flash-attn`)")
+        notes.append(f"--attention flash: {why}; using " + ("the Triton kernel for trees and " if tree else "")
+                     + "torch attention for prefill and single steps.")
+    return tree, flash, notes
 
 
 class GpuAttention:
     """Attention kernels for CUDA (or, for tests, the Triton interpreter on the CPU). `tree` is the Triton
     tree-verification kernel from kernels/ (n <= 64 nodes against the cache plus their ancestors); `flash`
     is flash-attn's causal kernel for prefill and single-token steps (bfloat16/float16 only). Either may be
-    None; then `attention` above does the work."""
+    None; then `attention` above does the work. `notes` say which asked-for kernel could not be used."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, choice: str):
         self.tree = self.flash = None
-        want = choice if choice != "auto" else ("triton" if device.type == "cuda" else "torch")
-        if want == "triton":
-            try:
-                from kernels import tree_attention as ta
-            except ImportError:
-                ta = None
-            if ta is not None and ta.available():
-                self.tree = ta
-            elif choice == "triton":
-                raise UserError("SWIFTWRITE_ATTENTION=triton, but triton is not installed; "
-                                "`pip install swiftwrite[gpu]` or unset it.")
-        if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-            try:
-                from flash_attn import flash_attn_func
-            except ImportError:
-                flash_attn_func = None
+        tree, flash, self.notes = attention_plan(choice, device.type, dtype)
+        if tree:
+            from kernels import tree_attention
+
+            self.tree = tree_attention
+        if flash:
+            from flash_attn import flash_attn_func
+
             self.flash = flash_attn_func
 
     def tree_bits(self, mask: torch.Tensor | None, n: int):
@@ -241,7 +266,8 @@ class KVCache:
 
 
 class LeanModel:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device="cpu", dtype=torch.float32):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device="cpu", dtype=torch.float32,
+                 attention: str = "auto"):
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -272,10 +298,9 @@ class LeanModel:
             self.layers.append(layer)
         self.cos, self.sin = rope_tables(cfg, cfg.max_positions, self.device, dtype)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
-        choice = os.environ.get("SWIFTWRITE_ATTENTION", "auto")
-        if choice not in ATTENTION_BACKENDS:
-            raise UserError(f"SWIFTWRITE_ATTENTION must be one of {', '.join(ATTENTION_BACKENDS)} (got {choice!r}).")
-        self.gpu = GpuAttention(self.device, dtype, choice)
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS} (got {attention!r})")
+        self.gpu = GpuAttention(self.device, dtype, attention)
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.cfg, capacity, self.device, self.dtype)
@@ -310,7 +335,7 @@ class LeanModel:
             raise RuntimeError(f"KV cache overflow: {end} slots needed, {cache.capacity} allocated")
         if int(positions.max()) >= cfg.max_positions:
             raise RuntimeError(f"position {int(positions.max())} is past the model's {cfg.max_positions}")
-        H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        H, D = cfg.n_heads, cfg.head_dim
         given = mask  # None (causal) or the caller's mask, before it is completed with the cache's columns
         attn_mask = None
         if mask is not None or n > 1:
@@ -323,9 +348,54 @@ class LeanModel:
         bits = None
         if kv is None and not flash and n > 1:  # a tree, or a causal chunk when flash-attn is not there
             bits = self.gpu.tree_bits(given if given is not None else mask[:, start:], n)
+
+        def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if kv is not None:
+                return attention(q, *kv(li, q, k, v), None, self.scale)
+            cache.k[li, :, start:end] = k
+            cache.v[li, :, start:end] = v
+            if bits is not None:
+                o = self.gpu.tree.tree_attention(q, cache.k[li, :, :start], cache.v[li, :, :start], k, v, bits, self.scale)
+                return o.transpose(0, 1).reshape(n, H * D)
+            if flash:
+                return self.gpu.flash_causal(q, cache.k[li, :, :end], cache.v[li, :, :end], self.scale)
+            return attention(q, cache.k[li, :, :end], cache.v[li, :, :end], attn_mask, self.scale)
+
+        hidden = self._layers(ids, positions, attend)
+        return self._logits(hidden, logits_for), hidden
+
+    @torch.inference_mode()
+    def forward_static(self, ids: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor, length: torch.Tensor,
+                       cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """A tree of B nodes (padded by the caller) with every size and address fixed, so that one call can be
+        captured in a CUDA graph and replayed at any step (graphs.py): the committed length is the one-element
+        tensor `length`, the new K/V go to slots length .. length+B-1 by an indexed copy, the tree's visibility is
+        `bits` (int64 [B], kernels.tree_attention.ancestry_bits) and the Triton kernel reads only the committed
+        slots. Returns logits [B, vocab] (float32) and hidden [B, hidden]. Needs the Triton tree kernel."""
+        if self.gpu.tree is None:
+            raise RuntimeError("forward_static needs the Triton tree kernel (a CUDA GPU, or TRITON_INTERPRET=1)")
+        B = ids.shape[0]
+        H, D = self.cfg.n_heads, self.cfg.head_dim
+        slots = length + torch.arange(B, device=self.device)
+
+        def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.k[li].index_copy_(1, slots, k)
+            cache.v[li].index_copy_(1, slots, v)
+            o = self.gpu.tree.tree_attention(q, cache.k[li], cache.v[li], k, v, bits, self.scale, length=length)
+            return o.transpose(0, 1).reshape(B, H * D)
+
+        hidden = self._layers(ids, positions, attend)
+        return self._logits(hidden, None), hidden
+
+    def _layers(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """Every decoder layer over `ids`; `attend(layer, q, k, v) -> [n, H*D]` stores K/V and attends."""
+        cfg = self.cfg
+        n = ids.shape[0]
+        H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         cos, sin = self.cos[positions], self.sin[positions]
         x = self.embed[ids]
         q_size, kv_size = H * D, KV * D
+        inter = cfg.intermediate_size
         for li, L in enumerate(self.layers):
             h = rms_norm(x, L["in_norm"], cfg.rms_eps)
             qkv = linear(h, L["wqkv"], L["bqkv"])
@@ -335,29 +405,15 @@ class LeanModel:
             if cfg.qk_norm:
                 q = rms_norm(q, L["q_norm"], cfg.rms_eps)
                 k = rms_norm(k, L["k_norm"], cfg.rms_eps)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
-            if kv is None:
-                cache.k[li, :, start:end] = k
-                cache.v[li, :, start:end] = v
-                if bits is not None:
-                    o = self.gpu.tree.tree_attention(q, cache.k[li, :, :start], cache.v[li, :, :start], k, v, bits, self.scale)
-                    o = o.transpose(0, 1).reshape(n, H * D)
-                elif flash:
-                    o = self.gpu.flash_causal(q, cache.k[li, :, :end], cache.v[li, :, :end], self.scale)
-                else:
-                    o = attention(q, cache.k[li, :, :end], cache.v[li, :, :end], attn_mask, self.scale)
-            else:
-                o = attention(q, *kv(li, q, k, v), None, self.scale)
-            x = x + linear(o, L["wo"], L["bo"])
+            x = x + linear(attend(li, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v), L["wo"], L["bo"])
             h = rms_norm(x, L["post_norm"], cfg.rms_eps)
             gu = linear(h, L["w_gate_up"], L["b_gate_up"])
-            inter = cfg.intermediate_size
             x = x + linear(F.silu(gu[:, :inter]) * gu[:, inter:], L["w_down"], L["b_down"])
-        hidden = x
-        rows = x if logits_for is None else x[logits_for]
-        logits = linear(rms_norm(rows, self.final_norm, cfg.rms_eps), self.lm_head)
-        return logits.float(), hidden
+        return x
+
+    def _logits(self, hidden: torch.Tensor, logits_for) -> torch.Tensor:
+        rows = hidden if logits_for is None else hidden[logits_for]
+        return linear(rms_norm(rows, self.final_norm, self.cfg.rms_eps), self.lm_head).float()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -390,7 +446,7 @@ def load_safetensors_dir(model_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_lean(model_dir: Path, device="cpu", dtype=torch.float32) -> LeanModel:
+def load_lean(model_dir: Path, device="cpu", dtype=torch.float32, attention: str = "auto") -> LeanModel:
     raw = read_hf_config(model_dir)
     try:
         cfg = ModelConfig.from_hf(raw)
@@ -400,6 +456,6 @@ def load_lean(model_dir: Path, device="cpu", dtype=torch.float32) -> LeanModel:
         raise UserError(f"architecture '{cfg.arch}' is not in the lean forward's family {SUPPORTED_ARCHS}")
     weights = load_safetensors_dir(model_dir)
     try:
-        return LeanModel(cfg, weights, device, dtype)
+        return LeanModel(cfg, weights, device, dtype, attention)
     except KeyError as e:
         raise UserError(f"{model_dir} lacks the weight {e}; the checkpoint is incomplete or not {cfg.arch}.") from None

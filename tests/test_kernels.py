@@ -1,6 +1,6 @@
 """The Triton tree-attention kernel (kernels/tree_attention.py) against its torch reference and against the
 lean forward's own attention, run by Triton's interpreter on the CPU (TRITON_INTERPRET=1), and the lean
-forward with the kernel switched in (SWIFTWRITE_ATTENTION=triton) giving the same logits and the same text."""
+forward with the kernel switched in (--attention triton) giving the same logits and the same text."""
 
 from __future__ import annotations
 
@@ -69,8 +69,7 @@ def test_ancestry_bits_and_their_limit():
 def test_the_lean_forward_with_the_kernel_gives_the_same_tree_logits(tmp_path, monkeypatch):
     path, _ = tiny_hf_model("qwen2", out_dir=tmp_path)
     plain = load_lean(path)
-    monkeypatch.setenv("SWIFTWRITE_ATTENTION", "triton")
-    kernel = load_lean(path)
+    kernel = load_lean(path, attention="triton")
     assert kernel.gpu.tree is not None and plain.gpu.tree is None
     ids = torch.randint(3, 128, (20,), generator=torch.Generator().manual_seed(4))
     tree = DraftTree()
@@ -92,10 +91,18 @@ def test_the_lean_forward_with_the_kernel_gives_the_same_tree_logits(tmp_path, m
     assert calls == [(4, 19, 16)] * 2 + [(4, 6, 16)] * 2
 
 
-def test_a_bad_attention_choice_is_one_sentence(tmp_path, monkeypatch):
-    from swiftwrite.errors import UserError
-
-    path, _ = tiny_hf_model("llama", out_dir=tmp_path)
-    monkeypatch.setenv("SWIFTWRITE_ATTENTION", "cuda-magic")
-    with pytest.raises(UserError, match="SWIFTWRITE_ATTENTION must be one of"):
-        load_lean(path)
+def test_the_kernel_reads_the_committed_length_from_memory():
+    """With `length`, the kernel gets the whole cache buffer and reads only the first `length` slots, the count
+    taken from the tensor at run time (what lets a CUDA graph replay one launch at every step)."""
+    g = torch.Generator().manual_seed(11)
+    H, KV, D, cap, n = 4, 2, 16, 150, 7
+    q = torch.randn(H, n, D, generator=g)
+    kc, vc = (torch.randn(KV, cap, D, generator=g) for _ in range(2))
+    kt, vt = (torch.randn(KV, n, D, generator=g) for _ in range(2))
+    bits = ta.ancestry_bits(random_tree(n, g))
+    length = torch.zeros(1, dtype=torch.long)
+    for T in (0, 1, 63, 64, 65, 149):
+        length.fill_(T)
+        got = ta.tree_attention(q, kc, vc, kt, vt, bits, 0.25, block_t=32, length=length)
+        want = ta.reference(q, kc[:, :T], vc[:, :T], kt, vt, bits, 0.25)
+        assert (got - want).abs().max() < 1e-5, T
