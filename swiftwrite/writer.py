@@ -186,16 +186,47 @@ def check_gguf_header(path: Path) -> None:
         raise UserError(f"{path} is not a GGUF model file (no GGUF v2/v3 header); check the file or download it again.")
 
 
-def pick_device(cfg: Config) -> tuple[str, "torch.dtype"]:
+def pick_device(cfg: Config, say=lambda msg: None) -> tuple[str, "torch.dtype"]:
+    """The device and dtype for `cfg`. `auto` is float32 everywhere: in bfloat16 or float16 a tree's forward
+    rounds differently from a single step's, and speculative output leaves plain decoding's at the first near-tie
+    (bench/dtype_cost.py: token 49 of 500 on the default model), so a half dtype is only used when asked for,
+    with that said. A dtype the device cannot run well falls back, with a sentence to `say`; an explicit
+    --device cuda without a GPU is an error rather than a silent switch to the CPU, where a run meant for a GPU
+    would take many times longer."""
     import torch
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but no CUDA GPU is available; use --device cpu.")
+        why = "this torch is a CPU-only build" if torch.version.cuda is None else "torch sees no CUDA GPU (driver?)"
+        raise UserError(f"--device cuda was asked for, but {why}; use --device cpu (or auto).")
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
-    name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    name = "float32" if cfg.dtype == "auto" else cfg.dtype
     if device == "cpu" and name == "float16":
-        raise UserError("float16 is not supported on the CPU here; use --dtype float32 or bfloat16.")
+        say("--dtype float16: CPUs have no fast float16 kernels (a matrix product here is several times slower "
+            "than float32); using float32.")
+        name = "float32"
+    if device == "cuda" and name == "bfloat16" and not torch.cuda.is_bf16_supported():
+        say(f"--dtype bfloat16: {torch.cuda.get_device_name()} cannot compute in bfloat16; using float16.")
+        name = "float16"
+    if name != "float32" and cfg.draft != "none":
+        say(f"--dtype {name}: drafts are verified in a wider forward than single steps, which rounds differently, so "
+            "the text can leave what --draft none writes at a near-tie; use float32 (the default) for token-exact output.")
     return device, getattr(torch, name)
+
+
+def attention_notes(cfg: Config, device: str, dtype) -> tuple[bool, list[str]]:
+    """Whether CUDA graphs will be used, and a sentence for each GPU option that cannot be honoured here."""
+    from .model import attention_plan
+
+    tree, _, notes = attention_plan(cfg.attention, device, dtype)
+    graphs = cfg.cuda_graphs
+    if graphs and device != "cuda":
+        notes.append("--cuda-graphs: needs a CUDA GPU; running without graphs.")
+        graphs = False
+    elif graphs and not tree:
+        notes.append("--cuda-graphs: needs the Triton tree kernel (triton installed, --attention auto, triton or "
+                     "flash); running without graphs.")
+        graphs = False
+    return graphs, notes
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -210,6 +241,8 @@ class Loaded:
     device: str
     dtype: "torch.dtype"
     model: "LeanModel | None" = None  # set by load_weights(), after every cheaper check has passed
+    attention: str = "auto"  # config.ATTENTIONS
+    cuda_graphs: bool = False  # wrap the lean model in graphs.GraphedModel (checked: CUDA and the tree kernel)
 
 
 def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Loaded:
@@ -217,7 +250,10 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
     if ref is None:
         check_gguf_header(Path(cfg.model).expanduser())
         ref = resolve(cfg.model, log=display.info)
-    device, dtype = pick_device(cfg)
+    device, dtype = pick_device(cfg, display.info)
+    graphs, notes = attention_notes(cfg, device, dtype)
+    for note in notes:
+        display.info(note)
     if cfg.threads:
         import torch
 
@@ -244,7 +280,7 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
                             f"({', '.join(SUPPORTED_ARCHS)}) and transformers cannot read it either ({first_line(e)}).") from None
         display.info(f"architecture '{mcfg.arch}' is outside the lean forward's family ({', '.join(SUPPORTED_ARCHS)}); "
                      "running it through transformers, which is slower, and without multi-token heads.")
-        return _loaded(ref, mcfg, device, dtype)
+        return _loaded(ref, mcfg, device, dtype, cfg.attention, False)
     try:
         mcfg = ModelConfig.from_hf(raw)
     except KeyError as e:
@@ -253,10 +289,10 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
     except (TypeError, AttributeError, ValueError):
         raise UserError(f"{ref.path / 'config.json'} is not a model configuration (a JSON object of settings); "
                         "re-download or re-convert the model.") from None
-    return _loaded(ref, mcfg, device, dtype)
+    return _loaded(ref, mcfg, device, dtype, cfg.attention, graphs)
 
 
-def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype) -> Loaded:
+def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype, attention: str, graphs: bool) -> Loaded:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -266,14 +302,18 @@ def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype) -> Loaded:
     except Exception as e:  # transformers raises whatever its backend raises for a bad tokenizer file
         raise UserError(f"the tokenizer in {ref.path} cannot be loaded ({first_line(e, 120)}); "
                         "re-download or re-convert the model.") from None
-    return Loaded(ref, tok, mcfg, device, dtype)
+    return Loaded(ref, tok, mcfg, device, dtype, attention=attention, cuda_graphs=graphs)
 
 
 def load_weights(lm: Loaded) -> None:
     from .model import SUPPORTED_ARCHS, load_lean
 
     if lm.mcfg.arch in SUPPORTED_ARCHS:
-        lm.model = load_lean(lm.ref.path, lm.device, lm.dtype)
+        lm.model = load_lean(lm.ref.path, lm.device, lm.dtype, lm.attention)
+        if lm.cuda_graphs:
+            from .graphs import GraphedModel
+
+            lm.model = GraphedModel(lm.model)
     else:
         from .hfmodel import load_hf
 
@@ -416,6 +456,7 @@ def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display:
     from .engine import COST_BUCKET
 
     key = f"{lm.ref.fingerprint}/{lm.model.device.type}/{str(lm.model.dtype)}/{torch.get_num_threads()}t"
+    key += ("/graphs" if lm.cuda_graphs else "") + (f"/attn-{lm.attention}" if lm.attention != "auto" else "")
 
     def cost_at(cache):
         # measured once per model, device, dtype, thread count and 1K-token context bucket, then cached on disk

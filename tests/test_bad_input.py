@@ -37,7 +37,8 @@ NUMERIC_BAD = [  # (option, value): every numeric option given a non-number, a n
     ("seed", "abc"), ("seed", "-1"), ("seed", "1.5"),
     ("draft-kv-budget", "abc"), ("draft-kv-budget", "16"), ("draft-kv-budget", "-1"),  # 16: no room past the sinks
 ]
-NAMES_BAD = [("draft", "everything"), ("template", "poem"), ("device", "tpu"), ("dtype", "int4"), ("head-mode", "sideways")]
+NAMES_BAD = [("draft", "everything"), ("template", "poem"), ("device", "tpu"), ("dtype", "int4"), ("head-mode", "sideways"),
+             ("attention", "cuda-magic")]
 
 # (id, argv, expected exit status, stdin). {placeholders} are paths from the `world` fixture; {run} is a fresh
 # path per case that must not exist afterwards. Every generate gets --draft none and a tiny --tokens.
@@ -99,8 +100,6 @@ CASES = [
     ("run-dir-is-a-file", [*GEN[:3], "{prompt}", *GEN[4:]], 1, None),
     ("run-dir-under-a-file", [*GEN[:3], "{prompt}/run", *GEN[4:]], 1, None),
     pytest.param("device-cuda-without-gpu", [*GEN, "--device", "cuda"], 1, None,
-                 marks=pytest.mark.skipif(HAS_CUDA, reason="a GPU is present")),
-    pytest.param("dtype-float16-on-cpu", [*GEN, "--dtype", "float16"], 1, None,
                  marks=pytest.mark.skipif(HAS_CUDA, reason="a GPU is present")),
     # resume
     ("resume-missing-path", ["resume", "{tmp}/no-such-run"], 1, None),
@@ -244,3 +243,73 @@ def test_bad_input_fails_with_one_sentence_and_leaves_nothing(world, tmp_path, c
 
 def test_the_battery_is_big_enough():
     assert len(CASES) >= 40
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Asked for what this machine cannot do, where a fallback exists: a notice, the fallback, the same text.
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="a GPU is present: these requests would be honoured")
+def test_gpu_requests_on_a_cpu_fall_back_with_a_notice_and_the_same_text(world, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a user's CPU: no interpreter
+
+    def gen(name, *extra):
+        run = tmp_path / name
+        proc = subprocess.run([sys.executable, "-m", "swiftwrite.cli", "generate", world["prompt"], "--run-dir", str(run),
+                               "--draft", "all", "--budget", "4", "--tokens", "24", "--temperature", "0", "--no-live", *extra],
+                              capture_output=True, cwd=tmp_path, env=env, timeout=300)
+        err = proc.stderr.decode()
+        assert proc.returncode == 0 and "Traceback" not in err, err
+        return proc.stdout, err
+
+    plain, _ = gen("plain")
+    asked, err = gen("asked", "--dtype", "float16", "--attention", "triton", "--cuda-graphs")
+    assert asked == plain
+    assert "--dtype float16" in err and "using float32" in err
+    assert "--attention triton" in err and "needs a CUDA GPU" in err and "using torch attention" in err
+    assert "--cuda-graphs" in err and "running without graphs" in err
+    _, err = gen("flash", "--attention", "flash")
+    assert "--attention flash: it needs a CUDA GPU" in err
+
+
+def test_device_and_dtype_choices(monkeypatch):
+    """auto is float32 on every device (half dtypes are not token-exact, bench/dtype_cost.py); a half dtype on
+    request comes with that said; a pre-Ampere GPU asked for bfloat16 gets float16, a CPU asked for float16
+    gets float32, each with a notice. torch.cuda is asked, not used, so this runs anywhere."""
+    from swiftwrite.writer import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
+    said = []
+    assert pick_device(Config(), said.append) == ("cuda", torch.float32) and said == []
+    assert pick_device(Config(dtype="bfloat16"), said.append) == ("cuda", torch.float16)
+    assert said[0] == "--dtype bfloat16: Tesla T4 cannot compute in bfloat16; using float16."
+    assert said[1].startswith("--dtype float16: drafts are verified") and "token-exact" in said[1]
+    said.clear()
+    assert pick_device(Config(dtype="bfloat16", draft="none"), said.append) == ("cuda", torch.float16)
+    assert len(said) == 1  # plain decoding has nothing to be exact against
+    said.clear()
+    assert pick_device(Config(device="cpu", dtype="float16"), said.append) == ("cpu", torch.float32)
+    assert len(said) == 1 and "using float32" in said[0]
+    said.clear()
+    assert pick_device(Config(device="cpu", dtype="bfloat16"), said.append) == ("cpu", torch.bfloat16)
+    assert len(said) == 1 and "token-exact" in said[0]
+    assert pick_device(Config(device="cpu"), said.append) == ("cpu", torch.float32)
+
+
+def test_attention_choices_say_why_they_fall_back(monkeypatch):
+    from swiftwrite.model import attention_plan
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert attention_plan("auto", "cpu", torch.float32) == (False, False, [])
+    assert attention_plan("torch", "cpu", torch.float32) == (False, False, [])
+    tree, flash, notes = attention_plan("triton", "cpu", torch.float32)
+    assert (tree, flash) == (False, False) and len(notes) == 1 and "using torch attention" in notes[0]
+    tree, flash, notes = attention_plan("flash", "cpu", torch.bfloat16)
+    assert (tree, flash) == (False, False) and notes == [
+        "--attention flash: it needs a CUDA GPU; using torch attention for prefill and single steps."]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the tests' way of running the kernel on a CPU
+    pytest.importorskip("triton")
+    assert attention_plan("triton", "cpu", torch.float32) == (True, False, [])
+    assert attention_plan("auto", "cpu", torch.float32) == (False, False, [])  # auto never picks the interpreter

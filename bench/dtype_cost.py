@@ -1,0 +1,97 @@
+"""float32 against bfloat16 on this CPU, for the default model: what a forward costs, and whether speculative
+output still equals plain output.
+
+    python bench/dtype_cost.py --out bench/results/dtype_cost-DATE.json
+
+1. Forward cost curves (ms for n = 1, 2, 4 .. 64 new tokens at a 512-token context), float32 and bfloat16,
+   with the lean forward's `linear` as shipped and, for bfloat16, with the float32 trick ((w @ x.T).T, one
+   row padded to two) forced on, which is what bfloat16 ran with before.
+2. The LM head alone (49,152 x 576), one row, both forms, both dtypes.
+3. Greedy decoding with the penalty on (the bench's "greedy" setting), lighthouse prompt: `none`, `all`
+   (automatic budget) and `all` with fixed budgets 4, 8, 16, per dtype: tokens per second, tokens per forward
+   and the first position where the output leaves `none` of the same dtype (None = identical).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from swiftwrite import budget, model as model_mod, writer  # noqa: E402
+from swiftwrite.bench import SETTINGS, _one, machine  # noqa: E402
+from swiftwrite.config import Config  # noqa: E402
+from swiftwrite.metrics import first_divergence  # noqa: E402
+
+SHIPPED = model_mod.linear
+
+
+def padded_linear(x, w, b=None):
+    """The float32 CPU form, forced on for every dtype."""
+    y = (w @ x.repeat(2, 1).t())[:, :1].t() if x.shape[0] == 1 else (w @ x.t()).t()
+    return y + b if b is not None else y
+
+
+def timed(f, reps: int) -> float:
+    for _ in range(3):
+        f()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=500)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "model": "smollm2-135m",
+              "context": a.context, "cost_ms": {}, "lm_head_ms": {}, "decoding": []}
+    display = writer.Display("quiet")
+    brief = writer.read_prompt(str(ROOT / "prompts" / "lighthouse.txt"))
+    for dtype in ("float32", "bfloat16"):
+        lm = writer.load(Config(dtype=dtype), display)
+        lean = lm.model
+        cache = lean.new_cache(a.context + 64)
+        cache.length = a.context  # scratch contents: timing only
+        forms = {"shipped": SHIPPED} if dtype == "float32" else {"shipped": SHIPPED, "padded (float32 form)": padded_linear}
+        for name, form in forms.items():
+            model_mod.linear = form
+            curve = budget.measure(lean, cache)
+            report["cost_ms"][f"{dtype}, {name}"] = dict(zip(curve.sizes, [round(s * 1e3, 1) for s in curve.seconds]))
+            print(dtype, name, report["cost_ms"][f"{dtype}, {name}"], flush=True)
+        model_mod.linear = SHIPPED
+        x = torch.randn(1, lean.cfg.hidden_size).to(lean.dtype)
+        report["lm_head_ms"][dtype] = {
+            "F.linear": round(timed(lambda: F.linear(x, lean.lm_head), 20) * 1e3, 2),
+            "padded (w @ x.T)": round(timed(lambda: padded_linear(x, lean.lm_head), 20) * 1e3, 2)}
+        ids = writer.prompt_ids(lm.tok, writer.apply_template(brief, "novel"), False)
+        _one("none", SETTINGS["greedy"], ids, 16, lm, None, display)  # warm-up
+        base = None
+        for method in ("none", "all", "all-b4", "all-b8", "all-b16"):
+            o = _one(method, SETTINGS["greedy"], ids, a.tokens, lm, None, display)
+            base = base or o
+            row = {"dtype": dtype, "method": method, "tokens_per_second": round(a.tokens / o.seconds, 1),
+                   "tokens_per_forward": round(a.tokens / o.forwards, 3),
+                   "first_divergence_from_none": first_divergence(o.tokens, base.tokens)}
+            report["decoding"].append(row)
+            print(row, flush=True)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
