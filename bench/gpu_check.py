@@ -10,11 +10,16 @@ acceptance (and so the speed of drafting) means nothing, only the kernel, the eq
 
 Writes OUT/gpu_check.json and OUT/gpu_check.md:
   1. the Triton tree kernel against the torch reference (max abs error; bfloat16, float16, float32);
-  2. speculative (`--draft all`) against plain output, token for token, greedy and seeded sampling;
-  3. tokens per second of transformers `generate`, swiftwrite `--draft none` and `--draft all`, for short
-     and long outputs (--short, --long new tokens; the long ones cross context rebuilds past the window),
-     each under its own time budget so the whole script stays inside its limit.
-It also runs on a CPU (--device cpu, small --short/--long) so that it can be checked where no GPU is.
+  2. speculative (`--draft all`) against plain output, token for token, greedy and seeded sampling, in the
+     run's dtype (float32 by default: the dtype in which equality is promised), and greedy in --half-dtype
+     (bfloat16), where it is not promised: how soon it diverges there is the figure;
+  3. CUDA graphs (--cuda-graphs): milliseconds per forward of n = 1, 2, 4 .. 64 tree nodes with and without
+     graphs at two context lengths, and speculative output with graphs against plain output, token for token;
+  4. tokens per second of transformers `generate`, swiftwrite `--draft none` and `--draft all` (and both with
+     CUDA graphs), for short and long outputs (--short, --long new tokens; the long ones cross context rebuilds
+     past the window), each under its own time budget so the whole script stays inside its limit.
+It also runs on a CPU (--device cpu --attention triton, small sizes) so that it can be checked where no GPU is:
+the kernel then runs in Triton's interpreter and the graph sections run their static forward uncaptured.
 """
 
 from __future__ import annotations
@@ -87,30 +92,79 @@ def reassemble(model_dir: Path, work: Path) -> Path:
     return out
 
 
-def random_model(work: Path) -> Path:
+def random_model(work: Path, layers: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = work / "random-smollm2-shape"
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**DEFAULT_SHAPE)).save_pretrained(str(path))
+    LlamaForCausalLM(LlamaConfig(**{**DEFAULT_SHAPE, "num_hidden_layers": layers})).save_pretrained(str(path))
     return path
 
 
-def load(model: Path, device: str, dtype: str):
+def load(model: Path, device: str, dtype: str, attention: str):
     from swiftwrite import writer
     from swiftwrite.store import ModelRef
 
-    cfg = Config(model=str(model), device=device, dtype=dtype)
+    cfg = Config(model=str(model), device=device, dtype=dtype, attention=attention)
     display = writer.Display("quiet")
     if model.suffix == ".gguf" or (model / "tokenizer.json").exists() or (model / "tokenizer_config.json").exists():
         return writer.load(cfg, display), display
     # a random stand-in has no tokenizer: the engine needs only ids
     from swiftwrite.model import load_lean
 
-    lm = writer.Loaded(ModelRef(name="random", path=model, fingerprint="random"), None, None, *writer.pick_device(cfg))
-    lm.model = load_lean(model, lm.device, lm.dtype)
+    lm = writer.Loaded(ModelRef(name="random", path=model, fingerprint="random"), None, None, *writer.pick_device(cfg),
+                       attention=attention)
+    lm.model = load_lean(model, lm.device, lm.dtype, attention)
     lm.mcfg = lm.model.cfg
     return lm, display
+
+
+class graphs_on:
+    """Within the block, the loaded model is replayed from CUDA graphs (uncaptured static forwards on a CPU)."""
+
+    def __init__(self, lm):
+        self.lm = lm
+
+    def __enter__(self):
+        from swiftwrite.graphs import GraphedModel
+
+        self.lean = self.lm.model
+        self.lm.model, self.lm.cuda_graphs = GraphedModel(self.lean), True
+        return self.lm.model
+
+    def __exit__(self, *exc):
+        self.lm.model, self.lm.cuda_graphs = self.lean, False
+
+
+def forward_costs(lm, contexts, sizes, reps: int) -> list[dict]:
+    """ms per forward of an n-node tree (causal mask) at each context length, plain forward vs graph replay."""
+    from swiftwrite.graphs import GraphedModel
+
+    lean = lm.model
+    graphed = GraphedModel(lean)
+    sync = torch.cuda.synchronize if lean.device.type == "cuda" else (lambda: None)
+    rows = []
+    for ctx in contexts:
+        cache = lean.new_cache(ctx + max(sizes) + 1)
+        cache.length = ctx  # scratch contents: timing only
+        for n in sizes:
+            ids = torch.zeros(n, dtype=torch.long, device=lean.device)
+            pos = torch.arange(ctx, ctx + n, device=lean.device).clamp_(max=lean.cfg.max_positions - 1)
+            mask = torch.ones(n, n, dtype=torch.bool, device=lean.device).tril_() if n > 1 else None
+            row = {"context": ctx, "nodes": n}
+            for name, model in (("plain_ms", lean), ("graph_ms", graphed)):
+                for _ in range(3):
+                    model.forward(ids, pos, cache, mask)
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    model.forward(ids, pos, cache, mask)
+                sync()
+                row[name] = round((time.perf_counter() - t0) / reps * 1e3, 3)
+            row["speedup"] = round(row["plain_ms"] / row["graph_ms"], 2)
+            rows.append(row)
+            log(f"  ctx {ctx} n {n}: {row['plain_ms']} ms plain, {row['graph_ms']} ms graph")
+    return rows
 
 
 def run_engine(lm, display, prompt: list[int], n: int, draft: str, settings: dict, budget_s: float):
@@ -131,16 +185,45 @@ def run_engine(lm, display, prompt: list[int], n: int, draft: str, settings: dic
     return out, secs, engine.forwards
 
 
+def save(report: dict, out: Path, t_start: float) -> None:
+    """Write gpu_check.json and gpu_check.md with what is done so far: a run cut by the time limit still
+    leaves its finished sections (and says it is incomplete)."""
+    report["seconds"] = round(time.time() - t_start, 1)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    cost = report["forward_cost"]
+    md = [f"# GPU check, {report['date']}" + ("" if report["complete"] else " (INCOMPLETE: cut short)"), "",
+          f"device {report['device']} ({report['gpu']}), torch {report['torch']}, triton {report['triton']}, "
+          f"flash-attn {report['flash_attn']}; weights: {report.get('weights')}; {report['seconds']} s", "",
+          "| kernel shape | dtype | max abs error vs reference |", "|---|---|---:|",
+          *[f"| {r.get('shape')} | {r.get('dtype')} | {r.get('max_abs_error', r.get('error'))} |" for r in report["kernel"]],
+          "", "| equality | first divergence (None = identical) |", "|---|---|",
+          *[f"| {k} ({v['tokens']} tokens) | {v['first_divergence']} |" for k, v in report["equality"].items()],
+          *(["", "| context | tree nodes | plain forward ms | " + ("CUDA graph ms" if report["device"] == "cuda" else
+              "static forward ms (uncaptured: no CUDA)") + " | speedup |", "|---:|---:|---:|---:|---:|",
+              *[f"| {r['context']} | {r['nodes']} | {r['plain_ms']} | {r['graph_ms']} | {r['speedup']} |" for r in cost]]
+            if cost else ["", "CUDA graphs: not measured (no tree kernel, or not reached)."]),
+          "", "| method | new tokens (target) | tok/s | tok/forward |", "|---|---:|---:|---:|",
+          *[f"| {r['method']} | {r['tokens']} ({r['target_tokens']}) | {r['tokens_per_second']} | {r['tokens_per_forward'] or '-'} |"
+            for r in report["speed"]], ""]
+    (out / "gpu_check.md").write_text("\n".join(md))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--half-dtype", default="bfloat16", help="also measure equality in this dtype (none: skip)")
+    ap.add_argument("--attention", default="auto", help="auto | torch | triton | flash (CPU check: triton)")
+    ap.add_argument("--cost-contexts", default="2048,16384", help="context lengths of the forward-cost table")
+    ap.add_argument("--cost-sizes", default="1,2,4,8,16,32,64", help="tree sizes of the forward-cost table")
+    ap.add_argument("--random-layers", type=int, default=DEFAULT_SHAPE["num_hidden_layers"],
+                    help="layers of the random stand-in (fewer: a quick CPU check of the script)")
     ap.add_argument("--short", type=int, default=2000)
     ap.add_argument("--long", type=int, default=32000)
     ap.add_argument("--equal-tokens", type=int, default=500)
-    ap.add_argument("--budget-s", type=float, default=75.0, help="seconds each speed run may take at most")
+    ap.add_argument("--budget-s", type=float, default=45.0, help="seconds each speed run may take at most")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     work = a.out / "work"
@@ -161,17 +244,21 @@ def main():
         report["flash_attn"] = flash_attn.__version__
     except ImportError:
         report["flash_attn"] = None
+    report.update(kernel=[], equality={}, forward_cost=None, speed=[], complete=False)
     log("kernel vs reference")
     report["kernel"] = kernel_check(a.device)
+    save(report, a.out, t_start)
 
     model = reassemble(a.model_dir, work) if a.model_dir and a.model_dir.exists() else None
-    report["weights"] = "real" if model else "RANDOM (acceptance and drafting speed mean nothing)"
+    report["weights"] = "real" if model else f"RANDOM, {a.random_layers} layers (acceptance and drafting speed mean nothing)"
     if model is None:
         log("no model directory: a random-weight model of the default model's shape")
-        model = random_model(work)
-    lm, display = load(model, a.device, a.dtype)
+        model = random_model(work, a.random_layers)
+    lm, display = load(model, a.device, a.dtype, a.attention)
     report["model"] = str(model)
-    report["attention"] = {"tree_kernel": lm.model.gpu.tree is not None, "flash_attn": lm.model.gpu.flash is not None}
+    report["attention"] = {"tree_kernel": lm.model.gpu.tree is not None, "flash_attn": lm.model.gpu.flash is not None,
+                           "notes": lm.model.gpu.notes}
+    graphs = lm.model.gpu.tree is not None  # the static forward behind the graphs is built on the tree kernel
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(100, min(lm.model.cfg.vocab_size, 20000), (64,), generator=g).tolist()
     if lm.tok is not None:
@@ -182,17 +269,41 @@ def main():
 
     settings = {"greedy": dict(temperature=0.0, min_p=0.0, penalty=1.2),
                 "sample": dict(temperature=0.7, min_p=0.1, penalty=1.2, seed=7)}
-    report["equality"] = {}
     for name, s in settings.items():
         log(f"equality, {name}")
         plain, _, _ = run_engine(lm, display, prompt, a.equal_tokens, "none", s, 1e9)
         spec, _, _ = run_engine(lm, display, prompt, a.equal_tokens, "all", s, 1e9)
         report["equality"][name] = {"tokens": a.equal_tokens, "first_divergence": first_divergence(spec, plain)}
+        if graphs:
+            with graphs_on(lm):
+                spec, _, _ = run_engine(lm, display, prompt, a.equal_tokens, "all", s, 1e9)
+            report["equality"][name + ", all with CUDA graphs"] = {"tokens": a.equal_tokens,
+                                                                   "first_divergence": first_divergence(spec, plain)}
+        save(report, a.out, t_start)
 
-    rows = []
+    if a.half_dtype != "none" and a.half_dtype != str(lm.model.dtype).replace("torch.", ""):
+        # Not a promise (see pick_device): how soon a half dtype's speculative output leaves its plain output.
+        log(f"equality in {a.half_dtype}")
+        half, _ = load(model, a.device, a.half_dtype, a.attention)
+        plain, _, _ = run_engine(half, display, prompt, a.equal_tokens, "none", settings["greedy"], 1e9)
+        spec, _, _ = run_engine(half, display, prompt, a.equal_tokens, "all", settings["greedy"], 1e9)
+        report["equality"][f"greedy in {a.half_dtype} (not promised)"] = {
+            "tokens": a.equal_tokens, "first_divergence": first_divergence(spec, plain)}
+        del half
+        save(report, a.out, t_start)
+
+    if graphs:
+        log("forward cost, plain vs CUDA graphs")
+        contexts = [min(int(c), lm.model.cfg.max_positions - 65) for c in a.cost_contexts.split(",")]
+        report["forward_cost"] = forward_costs(lm, contexts, [int(n) for n in a.cost_sizes.split(",")],
+                                               reps=50 if a.device == "cuda" else 1)
+        save(report, a.out, t_start)
+
+    rows = report["speed"]
     hf = None
+    methods = ("hf", "none", "all", "none+graphs", "all+graphs") if graphs else ("hf", "none", "all")
     for n in (a.short, a.long):
-        for method in ("hf", "none", "all"):
+        for method in methods:
             if method == "hf" and n == a.long:
                 continue  # generate has no context rebuild: past the window it would fail
             log(f"speed {method} {n}")
@@ -211,27 +322,20 @@ def main():
                 if a.device == "cuda":
                     torch.cuda.synchronize()
                 secs, made, fwd = time.perf_counter() - t0, y.shape[1] - x.shape[1], None
+            elif method.endswith("+graphs"):
+                with graphs_on(lm):
+                    out, secs, fwd = run_engine(lm, display, prompt, n, method.split("+")[0], settings["greedy"], a.budget_s)
+                made = len(out)
             else:
                 out, secs, fwd = run_engine(lm, display, prompt, n, method, settings["greedy"], a.budget_s)
                 made = len(out)
             rows.append({"method": method, "target_tokens": n, "tokens": made, "seconds": round(secs, 2),
                          "tokens_per_second": round(made / secs, 1), "tokens_per_forward": round(made / fwd, 3) if fwd else None})
             log(f"  {made / secs:.1f} tok/s")
-    report["speed"] = rows
-    report["seconds"] = round(time.time() - t_start, 1)
-    (a.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    md = [f"# GPU check, {report['date']}", "",
-          f"device {a.device} ({report['gpu']}), torch {report['torch']}, triton {report['triton']}, "
-          f"flash-attn {report['flash_attn']}; weights: {report['weights']}", "",
-          "| kernel shape | dtype | max abs error vs reference |", "|---|---|---:|",
-          *[f"| {r.get('shape')} | {r.get('dtype')} | {r.get('max_abs_error', r.get('error'))} |" for r in report["kernel"]],
-          "", "| equality | first divergence (None = identical) |", "|---|---|",
-          *[f"| {k} ({v['tokens']} tokens) | {v['first_divergence']} |" for k, v in report["equality"].items()],
-          "", "| method | new tokens (target) | tok/s | tok/forward |", "|---|---:|---:|---:|",
-          *[f"| {r['method']} | {r['tokens']} ({r['target_tokens']}) | {r['tokens_per_second']} | {r['tokens_per_forward'] or '-'} |"
-            for r in rows], ""]
-    (a.out / "gpu_check.md").write_text("\n".join(md))
-    print("\n".join(md))
+            save(report, a.out, t_start)
+    report["complete"] = True
+    save(report, a.out, t_start)
+    print((a.out / "gpu_check.md").read_text())
     subprocess.run(["rm", "-rf", str(work)], check=False)
 
 
