@@ -106,3 +106,42 @@ def test_the_kernel_reads_the_committed_length_from_memory():
         got = ta.tree_attention(q, kc, vc, kt, vt, bits, 0.25, block_t=32, length=length)
         want = ta.reference(q, kc[:, :T], vc[:, :T], kt, vt, bits, 0.25)
         assert (got - want).abs().max() < 1e-5, T
+
+
+COMPILE = """
+import inspect, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import tree_attention as ta
+
+k = ta._tree_attention_kernel
+names = list(inspect.signature(k.fn).parameters)
+consts = {"GROUP": 3, "D": 64, "BLOCK_T": 64, "BLOCK_N": 16}
+for arch in (80, 90):
+    for dt in ("fp32", "bf16", "fp16"):
+        for len_in_memory in (False, True):
+            sig = {n: ("*" + dt if n in ("Q", "KC", "VC", "KT", "VT", "O") else "*i64" if n in ("ANC", "LEN")
+                       else "fp32" if n == "scale" else "constexpr" if n in (*consts, "LEN_IN_MEMORY") else "i32")
+                   for n in names}
+            cx = {(names.index(c),): v for c, v in {**consts, "LEN_IN_MEMORY": len_in_memory}.items()}
+            out = triton.compile(ASTSource(fn=k, signature=sig, constexprs=cx), target=GPUTarget("cuda", arch, 32))
+            assert out.asm["cubin"], (arch, dt)
+            print(arch, dt, len_in_memory, "ok")
+"""
+
+
+def test_the_kernel_compiles_to_gpu_code_for_ampere_and_hopper():
+    """The interpreter runs the kernel's Python, not Triton's compiler: a kernel can pass every interpreted
+    test and still fail to compile for a GPU. Triton compiles to a cubin without a GPU present, so compile it
+    here for sm_80 and sm_90, in every dtype, with the cache length passed by value and read from memory."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
+        pytest.skip("this triton has no ptxas to compile with")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("ok") == 12
