@@ -25,6 +25,7 @@ the kernel then runs in Triton's interpreter and the graph sections run their st
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -112,7 +113,9 @@ def load(model: Path, device: str, dtype: str, attention: str):
     # a random stand-in has no tokenizer: the engine needs only ids
     from swiftwrite.model import load_lean
 
-    lm = writer.Loaded(ModelRef(name="random", path=model, fingerprint="random"), None, None, *writer.pick_device(cfg),
+    # the fingerprint keys cached cost curves: a random stand-in of another shape must not reuse them
+    shape = hashlib.sha256((model / "config.json").read_bytes()).hexdigest()[:12]
+    lm = writer.Loaded(ModelRef(name="random", path=model, fingerprint=f"random-{shape}"), None, None, *writer.pick_device(cfg),
                        attention=attention)
     lm.model = load_lean(model, lm.device, lm.dtype, attention)
     lm.mcfg = lm.model.cfg
