@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_the_gpu_check_runs_end_to_end_on_a_cpu(tmp_path):
     out = tmp_path / "report"
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", SWIFTWRITE_HOME=str(tmp_path / "home"))  # its own cost-curve cache
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--out", str(out), "--device", "cpu",
                            "--attention", "triton", "--random-layers", "1", "--short", "8", "--long", "16",
                            "--equal-tokens", "8", "--cost-contexts", "32", "--cost-sizes", "1,2", "--half-dtype", "none"],
