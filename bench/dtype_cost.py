@@ -6,7 +6,8 @@ output still equals plain output.
 1. Forward cost curves (ms for n = 1, 2, 4 .. 64 new tokens at a 512-token context), float32 and bfloat16,
    with the lean forward's `linear` as shipped and, for bfloat16, with the float32 trick ((w @ x.T).T, one
    row padded to two) forced on, which is what bfloat16 ran with before.
-2. The LM head alone (49,152 x 576), one row, both forms, both dtypes.
+2. The LM head alone (49,152 x 576), one row, both forms, both dtypes; and one MLP-sized product (1,536 x 576
+   weight, 8 rows) in float32, bfloat16 and float16 (why float16 on a CPU falls back to float32).
 3. Greedy decoding with the penalty on (the bench's "greedy" setting), lighthouse prompt: `none`, `all`
    (automatic budget) and `all` with fixed budgets 4, 8, 16, per dtype: tokens per second, tokens per forward
    and the first position where the output leaves `none` of the same dtype (None = identical).
@@ -88,6 +89,13 @@ def main():
                    "first_divergence_from_none": first_divergence(o.tokens, base.tokens)}
             report["decoding"].append(row)
             print(row, flush=True)
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(1536, 576, generator=g), torch.randn(8, 576, generator=g)
+    report["matmul_us_1536x576_8rows"] = {}
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        wd, xd = w.to(dt), x.to(dt)
+        report["matmul_us_1536x576_8rows"][str(dt).replace("torch.", "")] = round(timed(lambda: F.linear(xd, wd), 200) * 1e6, 1)
+    print(report["matmul_us_1536x576_8rows"], flush=True)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(report, indent=1))

@@ -126,8 +126,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     weight once for all rows; F.linear's small-M path on this CPU class costs nearly n times a single row
     (bench/forward_cost.py measured 176 us vs 118 us for 2 rows of a 3072x576 matrix, 429 vs 325 us for 16),
     and one row alone is padded to two (a one-row GEMV ran the 49,152x576 LM head at 6.8 ms vs 2.2 ms).
-    In bfloat16 the same trick is a loss (the LM head at 3.4 ms vs 1.7 ms, a whole 1-token forward of the
-    default model 27 ms vs 17 ms, bench/dtype_cost.py), and on a GPU F.linear is cuBLAS's own path."""
+    In bfloat16 the same trick is a loss (the LM head at 3.8 ms vs 1.65 ms, a whole 1-token forward of the
+    default model 27.6 ms vs 17.3 ms, bench/dtype_cost.py), and on a GPU F.linear is cuBLAS's own path."""
     if x.dtype != torch.float32 or x.device.type != "cpu":
         return F.linear(x, w, b)
     if x.shape[0] == 1:

@@ -201,8 +201,7 @@ def pick_device(cfg: Config, say=lambda msg: None) -> tuple[str, "torch.dtype"]:
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
     name = "float32" if cfg.dtype == "auto" else cfg.dtype
     if device == "cpu" and name == "float16":
-        say("--dtype float16: CPUs have no fast float16 kernels (a matrix product here is several times slower "
-            "than float32); using float32.")
+        say("--dtype float16: CPUs have no fast float16 kernels (it runs slower than float32); using float32.")
         name = "float32"
     if device == "cuda" and name == "bfloat16" and not torch.cuda.is_bf16_supported():
         say(f"--dtype bfloat16: {torch.cuda.get_device_name()} cannot compute in bfloat16; using float16.")
