@@ -212,6 +212,46 @@ def pick_device(cfg: Config, say=lambda msg: None) -> tuple[str, "torch.dtype"]:
     return device, getattr(torch, name)
 
 
+def weight_bytes(mcfg: "ModelConfig", dtype) -> int:
+    """The model's parameters, counted from its configuration, times the dtype's size (norms and biases, a
+    fraction of a percent, left out): known before a byte of the weights is read."""
+    import torch
+
+    h, inter, hd = mcfg.hidden_size, mcfg.intermediate_size, mcfg.head_dim
+    attention = h * (mcfg.n_heads + 2 * mcfg.n_kv_heads) * hd + mcfg.n_heads * hd * h
+    params = mcfg.vocab_size * h * (1 if mcfg.tie_embeddings else 2) + mcfg.n_layers * (attention + 3 * h * inter)
+    return params * torch.finfo(dtype).bits // 8
+
+
+def free_memory(device: str) -> int | None:
+    """Bytes free where the model will live: available RAM, or the current GPU's free memory."""
+    if device == "cpu":
+        return _available_memory()
+    import torch
+
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def fit_dtype(cfg: Config, mcfg: "ModelConfig", device: str, dtype, say) -> "torch.dtype":
+    """`--dtype auto` is float32 (token-exact); when float32 weights do not fit the free memory but half-size
+    ones do, half it is, with that said (an 8B model: 32 GB in float32, 16 GB in bfloat16 on a 24 GB GPU)."""
+    import torch
+
+    if cfg.dtype != "auto" or dtype != torch.float32:
+        return dtype
+    free = free_memory(device)
+    if free is None or weight_bytes(mcfg, dtype) <= 0.9 * free:
+        return dtype
+    half = torch.bfloat16 if device == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
+    if weight_bytes(mcfg, half) > 0.9 * free:
+        return dtype  # neither fits: make_window says what to do
+    name = str(half).replace("torch.", "")
+    say(f"the model's float32 weights ({human_bytes(weight_bytes(mcfg, dtype))}) do not fit the {human_bytes(free)} "
+        f"free {'in RAM' if device == 'cpu' else 'on the GPU'}; using {name}, in which drafted text can leave what "
+        "--draft none writes at a near-tie (--dtype float32 to insist).")
+    return half
+
+
 def attention_notes(cfg: Config, device: str, dtype) -> tuple[bool, list[str]]:
     """Whether CUDA graphs will be used, and a sentence for each GPU option that cannot be honoured here."""
     from .model import attention_plan
@@ -279,7 +319,7 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
                             f"({', '.join(SUPPORTED_ARCHS)}) and transformers cannot read it either ({first_line(e)}).") from None
         display.info(f"architecture '{mcfg.arch}' is outside the lean forward's family ({', '.join(SUPPORTED_ARCHS)}); "
                      "running it through transformers, which is slower, and without multi-token heads.")
-        return _loaded(ref, mcfg, device, dtype, cfg.attention, False)
+        return _loaded(ref, mcfg, device, fit_dtype(cfg, mcfg, device, dtype, display.info), cfg.attention, False)
     try:
         mcfg = ModelConfig.from_hf(raw)
     except KeyError as e:
@@ -288,7 +328,7 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
     except (TypeError, AttributeError, ValueError):
         raise UserError(f"{ref.path / 'config.json'} is not a model configuration (a JSON object of settings); "
                         "re-download or re-convert the model.") from None
-    return _loaded(ref, mcfg, device, dtype, cfg.attention, graphs)
+    return _loaded(ref, mcfg, device, fit_dtype(cfg, mcfg, device, dtype, display.info), cfg.attention, graphs)
 
 
 def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype, attention: str, graphs: bool) -> Loaded:
@@ -337,12 +377,21 @@ def make_window(cfg: Config, lm: Loaded, prompt_len: int, display: Display) -> "
         display.info(f"--context {cfg.context} is past the model's {limit} positions; using {limit}.")
     context = min(cfg.context or limit, limit)
     window = Window(context, prompt_len)
-    need = KVCache.bytes_needed(lm.mcfg, context + 1 + MAX_BUDGET, lm.dtype)
-    avail = _available_memory() if lm.device == "cpu" else None
-    if avail is not None and need > avail:
-        per_token = need / (context + 1 + MAX_BUDGET)
-        raise UserError(f"the KV cache needs {human_bytes(need)} but only {human_bytes(avail)} is free; "
-                        f"use --context {max(256, int(avail * 0.8 / per_token))} or less.")
+    kv = KVCache.bytes_needed(lm.mcfg, context + 1 + MAX_BUDGET, lm.dtype)
+    weights = weight_bytes(lm.mcfg, lm.dtype) if lm.model is None else 0  # loaded ones are already not free
+    avail = free_memory(lm.device)
+    where = "in RAM" if lm.device == "cpu" else "on the GPU"
+    dtype = str(lm.dtype).replace("torch.", "")
+    if avail is not None and weights > avail:
+        raise UserError(f"the model's {dtype} weights need {human_bytes(weights)} but only {human_bytes(avail)} is free "
+                        f"{where}; use a smaller model" + (", or --dtype bfloat16 (half the memory, not token-exact)"
+                                                            if dtype == "float32" else "") + ".")
+    if avail is not None and weights + kv > avail:
+        per_token = kv / (context + 1 + MAX_BUDGET)
+        fits = max(256, int((avail - weights) * 0.8 / per_token))
+        what = f"the weights ({human_bytes(weights)}) and the KV cache ({human_bytes(kv)})" if weights else \
+            f"the KV cache ({human_bytes(kv)})"
+        raise UserError(f"{what} need more than the {human_bytes(avail)} free {where}; use --context {fits} or less.")
     return window
 
 
@@ -707,6 +756,9 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
     path = run_dir if run_dir is not None else default_run_dir(brief)
     RunDir.check_new(path)
     lm = open_model(cfg, display)
+    # The run records the dtype it really uses: `auto` may have become bfloat16 for lack of memory, and a resume
+    # must not pick another one when memory differs then.
+    cfg.dtype = str(lm.dtype).replace("torch.", "")
     ids = prompt_ids(lm.tok, text, cfg.raw)
     if ids and max(ids) >= lm.mcfg.vocab_size:
         raise UserError(f"the tokenizer in {lm.ref.path} produced token id {max(ids)}, but the model has only "
