@@ -31,6 +31,7 @@ from swiftwrite import budget, model as model_mod, writer  # noqa: E402
 from swiftwrite.bench import SETTINGS, _one, machine  # noqa: E402
 from swiftwrite.config import Config  # noqa: E402
 from swiftwrite.metrics import first_divergence  # noqa: E402
+from swiftwrite.ui import dtype_name  # noqa: E402
 
 SHIPPED = model_mod.linear
 
@@ -94,7 +95,7 @@ def main():
     report["matmul_us_1536x576_8rows"] = {}
     for dt in (torch.float32, torch.bfloat16, torch.float16):
         wd, xd = w.to(dt), x.to(dt)
-        report["matmul_us_1536x576_8rows"][str(dt).replace("torch.", "")] = round(timed(lambda: F.linear(xd, wd), 200) * 1e6, 1)
+        report["matmul_us_1536x576_8rows"][dtype_name(dt)] = round(timed(lambda: F.linear(xd, wd), 200) * 1e6, 1)
     print(report["matmul_us_1536x576_8rows"], flush=True)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,7 @@ if not torch.cuda.is_available():  # a CPU run of the script: the kernel goes th
 
 from swiftwrite.config import Config  # noqa: E402
 from swiftwrite.metrics import first_divergence  # noqa: E402
+from swiftwrite.ui import dtype_name  # noqa: E402
 
 # The default model's shape (SmolLM2-135M), for the random-weight stand-in.
 DEFAULT_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -76,7 +77,7 @@ def kernel_check(device: str) -> list[dict]:
             bits = ta.ancestry_bits(anc.to(device))
             want = ta.reference(q, kc, vc, kt, vt, bits, D ** -0.5).float()
             got = ta.tree_attention(q, kc, vc, kt, vt, bits, D ** -0.5).float()
-            rows.append({"shape": f"H{H} KV{KV} D{D} T{T} n{n}", "dtype": str(dt).replace("torch.", ""),
+            rows.append({"shape": f"H{H} KV{KV} D{D} T{T} n{n}", "dtype": dtype_name(dt),
                          "max_abs_error": float((got - want).abs().max())})
     return rows
 
@@ -285,7 +286,7 @@ def main():
                                                                    "first_divergence": first_divergence(spec, plain)}
         save(report, a.out, t_start)
 
-    if a.half_dtype != "none" and a.half_dtype != str(lm.model.dtype).replace("torch.", ""):
+    if a.half_dtype != "none" and a.half_dtype != dtype_name(lm.model.dtype):
         # Not a promise (see pick_device): how soon a half dtype's speculative output leaves its plain output.
         log(f"equality in {a.half_dtype}")
         half, _ = load(model, a.device, a.half_dtype, a.attention)

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from swiftwrite.bench import machine  # noqa: E402
 from swiftwrite.model import attention, linear, load_lean, rms_norm  # noqa: E402
 from swiftwrite.store import resolve  # noqa: E402
+from swiftwrite.ui import dtype_name  # noqa: E402
 
 ROWS = 16
 
@@ -103,7 +104,7 @@ def main():
         cfg, L = m.cfg, m.layers[0]
         g = torch.Generator().manual_seed(0)
         x = torch.randn(ROWS, cfg.hidden_size, generator=g).to(dtype)
-        name = str(dtype).replace("torch.", "")
+        name = dtype_name(dtype)
         ops = {}
         for wname in ("wqkv", "wo", "w_gate_up", "w_down"):
             w = L[wname]

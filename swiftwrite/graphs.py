@@ -22,7 +22,7 @@ import torch
 
 from kernels.tree_attention import MAX_NODES, ancestry_bits
 
-from .model import KVCache, LeanModel
+from .model import KVCache, LeanModel, check_positions
 
 BUCKETS = (1, 2, 4, 8, 16, 32, MAX_NODES)
 WARMUP = 2  # eager runs before a capture: compile the Triton kernel for this size, settle the allocator
@@ -72,8 +72,7 @@ class GraphedModel:
         if kv is not None or B is None or (mask is not None and not tree) or cache.length + B > cache.capacity:
             self.passthrough += 1
             return self.model.forward(ids, positions, cache, mask, logits_for, kv)
-        if int(positions.max()) >= self.model.cfg.max_positions:
-            raise RuntimeError(f"position {int(positions.max())} is past the model's {self.model.cfg.max_positions}")
+        check_positions(positions, self.model.cfg)
         if cache is not self._cache:  # graphs hold the cache's addresses: a new cache means new graphs
             self._cache, self._buckets = cache, {}
         b = self._buckets.get(B) or self._make(B)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError, first_line
-from .model import ModelConfig
+from .model import ModelConfig, check_positions
 
 
 def config_from(hf_cfg) -> ModelConfig:
@@ -100,8 +100,7 @@ class HFModel:
         start = cache.length
         if start + n > cache.capacity:
             raise RuntimeError(f"KV cache overflow: {start + n} slots needed, {cache.capacity} allocated")
-        if int(positions.max()) >= self.cfg.max_positions:
-            raise RuntimeError(f"position {int(positions.max())} is past the model's {self.cfg.max_positions}")
+        check_positions(positions, self.cfg)
         cache.crop()
         if mask is None:
             mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()

@@ -80,6 +80,13 @@ class ModelConfig:
         )
 
 
+def check_positions(positions: torch.Tensor, cfg: ModelConfig) -> None:
+    """Past the RoPE tables a forward would index out of range; the window logic must never let that happen."""
+    last = int(positions.max())
+    if last >= cfg.max_positions:
+        raise RuntimeError(f"position {last} is past the model's {cfg.max_positions}")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # RoPE
 
@@ -333,8 +340,7 @@ class LeanModel:
         end = start + n
         if kv is None and end > cache.capacity:
             raise RuntimeError(f"KV cache overflow: {end} slots needed, {cache.capacity} allocated")
-        if int(positions.max()) >= cfg.max_positions:
-            raise RuntimeError(f"position {int(positions.max())} is past the model's {cfg.max_positions}")
+        check_positions(positions, cfg)
         H, D = cfg.n_heads, cfg.head_dim
         given = mask  # None (causal) or the caller's mask, before it is completed with the cache's columns
         attn_mask = None

@@ -44,6 +44,11 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+def dtype_name(dtype) -> str:
+    """torch.bfloat16 -> "bfloat16", the spelling of --dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 class Display:
     """live: Rich panel; plain: a line every `every` seconds; quiet: nothing."""
 

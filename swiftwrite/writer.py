@@ -30,7 +30,7 @@ from .config import Config
 from .errors import UsageError, UserError, first_line
 from .rundir import RunDir
 from .store import ModelRef, home, resolve
-from .ui import Display, Progress, human_bytes
+from .ui import Display, Progress, dtype_name, human_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -245,9 +245,8 @@ def fit_dtype(cfg: Config, mcfg: "ModelConfig", device: str, dtype, say) -> "tor
     half = torch.bfloat16 if device == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
     if weight_bytes(mcfg, half) > 0.9 * free:
         return dtype  # neither fits: make_window says what to do
-    name = str(half).replace("torch.", "")
     say(f"the model's float32 weights ({human_bytes(weight_bytes(mcfg, dtype))}) do not fit the {human_bytes(free)} "
-        f"free {'in RAM' if device == 'cpu' else 'on the GPU'}; using {name}, in which drafted text can leave what "
+        f"free {'in RAM' if device == 'cpu' else 'on the GPU'}; using {dtype_name(half)}, in which drafted text can leave what "
         "--draft none writes at a near-tie (--dtype float32 to insist).")
     return half
 
@@ -285,18 +284,25 @@ class Loaded:
 
 
 def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Loaded:
-    """Everything about the model short of its weights: files, configuration, device, tokenizer."""
+    """Everything about the model short of its weights: files, configuration, device, dtype, tokenizer."""
     if ref is None:
         check_gguf_header(Path(cfg.model).expanduser())
         ref = resolve(cfg.model, log=display.info)
     device, dtype = pick_device(cfg, display.info)
-    graphs, notes = attention_notes(cfg, device, dtype)
-    for note in notes:
-        display.info(note)
     if cfg.threads:
         import torch
 
         torch.set_num_threads(cfg.threads)
+    mcfg, lean = _model_config(ref, display)
+    dtype = fit_dtype(cfg, mcfg, device, dtype, display.info)
+    graphs, notes = attention_notes(cfg, device, dtype)  # with the dtype the model will really have
+    for note in notes:
+        display.info(note)
+    return _loaded(ref, mcfg, device, dtype, cfg.attention, graphs and lean)
+
+
+def _model_config(ref: ModelRef, display: Display) -> tuple["ModelConfig", bool]:
+    """The model's configuration, and whether the lean forward runs it (else transformers does)."""
     from .model import SUPPORTED_ARCHS, ModelConfig, read_hf_config
 
     raw = read_hf_config(ref.path)
@@ -319,16 +325,15 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
                             f"({', '.join(SUPPORTED_ARCHS)}) and transformers cannot read it either ({first_line(e)}).") from None
         display.info(f"architecture '{mcfg.arch}' is outside the lean forward's family ({', '.join(SUPPORTED_ARCHS)}); "
                      "running it through transformers, which is slower, and without multi-token heads.")
-        return _loaded(ref, mcfg, device, fit_dtype(cfg, mcfg, device, dtype, display.info), cfg.attention, False)
+        return mcfg, False
     try:
-        mcfg = ModelConfig.from_hf(raw)
+        return ModelConfig.from_hf(raw), True
     except KeyError as e:
         raise UserError(f"{ref.path / 'config.json'} lacks {e}; it is not a complete model configuration, "
                         "re-download or re-convert the model.") from None
     except (TypeError, AttributeError, ValueError):
         raise UserError(f"{ref.path / 'config.json'} is not a model configuration (a JSON object of settings); "
                         "re-download or re-convert the model.") from None
-    return _loaded(ref, mcfg, device, fit_dtype(cfg, mcfg, device, dtype, display.info), cfg.attention, graphs)
 
 
 def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype, attention: str, graphs: bool) -> Loaded:
@@ -381,7 +386,7 @@ def make_window(cfg: Config, lm: Loaded, prompt_len: int, display: Display) -> "
     weights = weight_bytes(lm.mcfg, lm.dtype) if lm.model is None else 0  # loaded ones are already not free
     avail = free_memory(lm.device)
     where = "in RAM" if lm.device == "cpu" else "on the GPU"
-    dtype = str(lm.dtype).replace("torch.", "")
+    dtype = dtype_name(lm.dtype)
     if avail is not None and weights > avail:
         raise UserError(f"the model's {dtype} weights need {human_bytes(weights)} but only {human_bytes(avail)} is free "
                         f"{where}; use a smaller model" + (", or --dtype bfloat16 (half the memory, not token-exact)"
@@ -440,7 +445,7 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
     engine = Engine(model, Sampler(settings, model.cfg.vocab_size, model.device), window, sources, stats,
                     budget=fixed, capacity=total + 1, stop_ids=stops if cfg.stop_at_eos else ())
     display.info(f"KV cache: {human_bytes(engine.cache.nbytes)} for a {window.context}-token context on "
-                 f"{lm.device}/{str(lm.dtype).replace('torch.', '')}")
+                 f"{lm.device}/{dtype_name(lm.dtype)}")
     return engine
 
 
@@ -758,7 +763,7 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
     lm = open_model(cfg, display)
     # The run records the dtype it really uses: `auto` may have become bfloat16 for lack of memory, and a resume
     # must not pick another one when memory differs then.
-    cfg.dtype = str(lm.dtype).replace("torch.", "")
+    cfg.dtype = dtype_name(lm.dtype)
     ids = prompt_ids(lm.tok, text, cfg.raw)
     if ids and max(ids) >= lm.mcfg.vocab_size:
         raise UserError(f"the tokenizer in {lm.ref.path} produced token id {max(ids)}, but the model has only "
