@@ -38,8 +38,7 @@ class _Bucket:
     pos: torch.Tensor  # [B] absolute positions
     bits: torch.Tensor  # [B] ancestry bitmasks
     alone: torch.Tensor  # [B] each node seeing only itself: what a padded node keeps
-    replay: object = None  # () -> (logits [B, vocab], hidden [B, hidden])
-    graph: object = None  # the torch.cuda.CUDAGraph, when captured
+    replay: object = None  # () -> (logits [B, vocab], hidden [B, hidden]); a captured graph lives in its closure
 
 
 class GraphedModel:
@@ -94,12 +93,10 @@ class GraphedModel:
     def _make(self, B: int) -> _Bucket:
         dev = self.model.device
         self._length.fill_(self._cache.length)
+        alone = torch.ones(B, dtype=torch.long, device=dev) << torch.arange(B, device=dev)
         b = _Bucket(ids=torch.zeros(B, dtype=torch.long, device=dev),
-                    pos=torch.full((B,), self._cache.length, dtype=torch.long, device=dev),
-                    bits=torch.zeros(B, dtype=torch.long, device=dev),
-                    alone=torch.ones(B, dtype=torch.long, device=dev) << torch.arange(B, device=dev))
-        b.pos.clamp_(max=self.model.cfg.max_positions - 1)
-        b.bits.copy_(b.alone)
+                    pos=torch.full((B,), min(self._cache.length, self.model.cfg.max_positions - 1), device=dev),
+                    bits=alone.clone(), alone=alone)
 
         def run():
             return self.model.forward_static(b.ids, b.pos, b.bits, self._length, self._cache)
@@ -124,6 +121,5 @@ class GraphedModel:
                 return out
 
             b.replay = replay
-            b.graph = graph
         self._buckets[B] = b
         return b
