@@ -15,7 +15,9 @@ import numpy as np
 from swiftwrite.bench import machine
 from swiftwrite.config import Config
 from swiftwrite.metrics import first_divergence
-from swiftwrite.writer import Display, apply_template, build_engine, load, prompt_ids, read_prompt
+from swiftwrite.loading import build_engine, load
+from swiftwrite.prompt import apply_template, prompt_ids, read_prompt
+from swiftwrite.ui import Display
 
 ROOT = Path(__file__).resolve().parent.parent
 ap = argparse.ArgumentParser()

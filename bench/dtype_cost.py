@@ -27,11 +27,11 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from swiftwrite import budget, model as model_mod, writer  # noqa: E402
+from swiftwrite import budget, loading, model as model_mod, prompt  # noqa: E402
 from swiftwrite.bench import SETTINGS, _one, machine  # noqa: E402
 from swiftwrite.config import Config  # noqa: E402
 from swiftwrite.metrics import first_divergence  # noqa: E402
-from swiftwrite.ui import dtype_name  # noqa: E402
+from swiftwrite.ui import Display, dtype_name  # noqa: E402
 
 SHIPPED = model_mod.linear
 
@@ -61,10 +61,10 @@ def main():
     a = ap.parse_args()
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "model": "smollm2-135m",
               "context": a.context, "cost_ms": {}, "lm_head_ms": {}, "decoding": []}
-    display = writer.Display("quiet")
-    brief = writer.read_prompt(str(ROOT / "prompts" / "lighthouse.txt"))
+    display = Display("quiet")
+    brief = prompt.read_prompt(str(ROOT / "prompts" / "lighthouse.txt"))
     for dtype in ("float32", "bfloat16"):
-        lm = writer.load(Config(dtype=dtype), display)
+        lm = loading.load(Config(dtype=dtype), display)
         lean = lm.model
         cache = lean.new_cache(a.context + 64)
         cache.length = a.context  # scratch contents: timing only
@@ -79,7 +79,7 @@ def main():
         report["lm_head_ms"][dtype] = {
             "F.linear": round(timed(lambda: F.linear(x, lean.lm_head), 20) * 1e3, 2),
             "padded (w @ x.T)": round(timed(lambda: padded_linear(x, lean.lm_head), 20) * 1e3, 2)}
-        ids = writer.prompt_ids(lm.tok, writer.apply_template(brief, "novel"), False)
+        ids = prompt.prompt_ids(lm.tok, prompt.apply_template(brief, "novel"), False)
         _one("none", SETTINGS["greedy"], ids, 16, lm, None, display)  # warm-up
         base = None
         for method in ("none", "all", "all-b4", "all-b8", "all-b16"):

@@ -104,20 +104,22 @@ def random_model(work: Path, layers: int) -> Path:
 
 
 def load(model: Path, device: str, dtype: str, attention: str):
-    from swiftwrite import writer
+    from swiftwrite import loading
+    from swiftwrite.devices import pick_device
     from swiftwrite.store import ModelRef
+    from swiftwrite.ui import Display
 
     cfg = Config(model=str(model), device=device, dtype=dtype, attention=attention)
-    display = writer.Display("quiet")
+    display = Display("quiet")
     if model.suffix == ".gguf" or (model / "tokenizer.json").exists() or (model / "tokenizer_config.json").exists():
-        return writer.load(cfg, display), display
+        return loading.load(cfg, display), display
     # a random stand-in has no tokenizer: the engine needs only ids
     from swiftwrite.model import load_lean
 
     # the fingerprint keys cached cost curves: a random stand-in of another shape must not reuse them
     shape = hashlib.sha256((model / "config.json").read_bytes()).hexdigest()[:12]
-    lm = writer.Loaded(ModelRef(name="random", path=model, fingerprint=f"random-{shape}"), None, None, *writer.pick_device(cfg),
-                       attention=attention)
+    lm = loading.Loaded(ModelRef(name="random", path=model, fingerprint=f"random-{shape}"), None, None, *pick_device(cfg),
+                        attention=attention)
     lm.model = load_lean(model, lm.device, lm.dtype, attention)
     lm.mcfg = lm.model.cfg
     return lm, display
@@ -172,12 +174,12 @@ def forward_costs(lm, contexts, sizes, reps: int) -> list[dict]:
 
 
 def run_engine(lm, display, prompt: list[int], n: int, draft: str, settings: dict, budget_s: float):
-    from swiftwrite import writer
+    from swiftwrite.loading import build_engine, fit_budget
 
     cfg = Config(draft=draft, tokens=n, **settings).validate()
-    engine = writer.build_engine(cfg, lm, len(prompt), len(prompt) + n, display)
+    engine = build_engine(cfg, lm, len(prompt), len(prompt) + n, display)
     engine.start(prompt)
-    writer.fit_budget(engine, lm, cfg, display, upto=len(prompt) + n)
+    fit_budget(engine, lm, cfg, display, upto=len(prompt) + n)
     out, t0 = [], time.perf_counter()
     sync = torch.cuda.synchronize if lm.model.device.type == "cuda" else (lambda: None)
     for step in engine.run(n):
@@ -268,7 +270,7 @@ def main():
     prompt = torch.randint(100, min(lm.model.cfg.vocab_size, 20000), (64,), generator=g).tolist()
     if lm.tok is not None:
         brief = (ROOT / "prompts" / "lighthouse.txt").read_text()
-        from swiftwrite.writer import apply_template, prompt_ids
+        from swiftwrite.prompt import apply_template, prompt_ids
 
         prompt = prompt_ids(lm.tok, apply_template(brief, "novel"), False)
 

@@ -47,7 +47,9 @@ def decode_trace(m) -> dict:
     norm, gate/up, down)."""
     from swiftwrite import model as model_mod
     from swiftwrite.config import Config
-    from swiftwrite.writer import Display, apply_template, open_model, prompt_ids, read_prompt
+    from swiftwrite.loading import open_model
+    from swiftwrite.prompt import apply_template, prompt_ids, read_prompt
+    from swiftwrite.ui import Display
 
     tok = open_model(Config(), Display("quiet")).tok
     ids = prompt_ids(tok, apply_template(read_prompt(str(ROOT / "prompts" / "lighthouse.txt")), "novel"), False)

@@ -113,24 +113,25 @@ def probe(run: Path, at: list[int], n: int) -> list[dict]:
     """Plain and speculative decoding side by side on the run's own history, each checked against the run."""
     import torch
 
-    from swiftwrite import writer
     from swiftwrite.config import Config
+    from swiftwrite.loading import build_engine, fit_budget, load
+    from swiftwrite.ui import Display
 
     with RunDir.open(run) as rd:
         prompt, toks, conf = list(rd.prompt_ids), list(rd.tokens), dict(rd.config)
-    display = writer.Display("quiet")
+    display = Display("quiet")
     base = Config(**{k: v for k, v in conf.items() if k in Config.__dataclass_fields__})
-    lm = writer.load(base, display)
+    lm = load(base, display)
     rows = []
     for k in at:
         k = min(k, len(toks) - n)
         row = {"history_tokens": k, "new_tokens": n}
         for draft in ("none", "all"):
             cfg = Config(**{**base.__dict__, "draft": draft, "budget": "auto"}).validate()
-            engine = writer.build_engine(cfg, lm, len(prompt), len(prompt) + len(toks) + 1, display)
+            engine = build_engine(cfg, lm, len(prompt), len(prompt) + len(toks) + 1, display)
             with torch.inference_mode():
                 engine.start(prompt + toks[:k])
-                writer.fit_budget(engine, lm, cfg, display, upto=len(prompt) + len(toks))
+                fit_budget(engine, lm, cfg, display, upto=len(prompt) + len(toks))
                 got, t = [], time.perf_counter()
                 for step in engine.run(n):
                     got += step.tokens

@@ -131,11 +131,12 @@ def validate(methods: list[str], settings: list[str], repeats: int, tokens: int,
 
 def run(methods: list[str], settings: list[str], prompts: list[Path], tokens: int, repeats: int, out: Path | None,
         model: str = "smollm2-135m", log=print) -> dict:
-    from . import writer
+    from . import loading, prompt
+    from .ui import Display
 
     validate(methods, settings, repeats, tokens, out)
-    display = writer.Display("quiet")
-    lm = writer.load(Config(model=model), display)
+    display = Display("quiet")
+    lm = loading.load(Config(model=model), display)
     hf = None
     if any(m.startswith("hf") for m in methods):
         from transformers import AutoModelForCausalLM
@@ -143,8 +144,8 @@ def run(methods: list[str], settings: list[str], prompts: list[Path], tokens: in
         hf = AutoModelForCausalLM.from_pretrained(str(lm.ref.path), dtype=torch.float32).eval()
     prompt_ids = {}
     for p in prompts:
-        brief = writer.read_prompt(str(p))
-        ids = writer.prompt_ids(lm.tok, writer.apply_template(brief, "novel" if "report" not in p.name else "report"), False)
+        brief = prompt.read_prompt(str(p))
+        ids = prompt.prompt_ids(lm.tok, prompt.apply_template(brief, "novel" if "report" not in p.name else "report"), False)
         if len(ids) + tokens > lm.model.cfg.max_positions:
             raise UsageError(f"{p} ({len(ids)} tokens) plus {tokens} new tokens does not fit the model's "
                              f"{lm.model.cfg.max_positions} positions; use fewer --tokens.")
@@ -176,7 +177,7 @@ def run(methods: list[str], settings: list[str], prompts: list[Path], tokens: in
 
 
 def _one(method, setting, ids, n, lm, hf, display):
-    from . import writer
+    from .loading import build_engine, fit_budget
 
     if method.startswith("hf"):
         kw = dict(max_new_tokens=n, min_new_tokens=n, repetition_penalty=setting["penalty"], pad_token_id=lm.tok.eos_token_id)
@@ -194,9 +195,9 @@ def _one(method, setting, ids, n, lm, hf, display):
         secs = time.perf_counter() - t
         return One(secs, y[0, len(ids):].tolist())
     cfg = Config(tokens=n, **METHODS[method], **setting).validate()
-    engine = writer.build_engine(cfg, lm, len(ids), len(ids) + n, display)
+    engine = build_engine(cfg, lm, len(ids), len(ids) + n, display)
     engine.start(ids)
-    writer.fit_budget(engine, lm, cfg, display, upto=len(ids) + n)
+    fit_budget(engine, lm, cfg, display, upto=len(ids) + n)
     per = {s.name: 0 for s in engine.sources}
     toks, trace = [], []
     t = time.perf_counter()

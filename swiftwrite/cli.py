@@ -102,7 +102,7 @@ def bench(
     """Measure every decoding method side by side on this machine (interleaved, same prompts and settings)."""
     from .bench import DEFAULT, QUICK, markdown, run
     from .config import coerce
-    from .writer import TEMPLATE_DIRS
+    from .prompt import TEMPLATE_DIRS
 
     n = coerce("tokens", tokens, "command line") if tokens is not None else (300 if quick else 2000)
     reps = coerce("chunk", repeats, "command line") if repeats is not None else 1

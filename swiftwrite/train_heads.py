@@ -98,7 +98,7 @@ def write_selfdistill(model_dir: Path, out: Path, new_tokens: int = 1536, copies
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria
 
-    from .writer import apply_template, prompt_ids
+    from .prompt import apply_template, prompt_ids
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()

@@ -411,7 +411,7 @@ def test_a_character_cut_by_a_checkpoint_is_completed_after_resume(default_model
     tokens.bin but not in output.txt; the resumed stream must pick them up, or the character is lost."""
     from transformers import AutoTokenizer
 
-    from swiftwrite.writer import TextStream
+    from swiftwrite.prompt import TextStream
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
     history = tok("The keeper wrote:", add_special_tokens=False)["input_ids"]

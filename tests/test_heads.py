@@ -414,7 +414,7 @@ def test_shipped_heads_load_for_the_default_model_and_are_lossless(default_model
     factory = HeadsDrafter.factory(heads, model)
     from transformers import AutoTokenizer
 
-    from swiftwrite.writer import apply_template, prompt_ids
+    from swiftwrite.prompt import apply_template, prompt_ids
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
     brief = (Path(__file__).resolve().parent.parent / "prompts" / "lighthouse.txt").read_text()

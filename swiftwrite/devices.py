@@ -1,0 +1,111 @@
+"""Device, dtype and memory: where the model runs, in which dtype, and whether its weights fit what is free.
+
+torch is imported inside the functions that use it, so that the checks of the user's input that come first
+stay fast (see writer.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .config import Config
+from .errors import UserError
+from .ui import dtype_name, human_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+    from .model import ModelConfig
+
+
+def pick_device(cfg: Config, say=lambda msg: None) -> tuple[str, "torch.dtype"]:
+    """The device and dtype for `cfg`. `auto` is float32 everywhere: in bfloat16 or float16 a tree's forward
+    rounds differently from a single step's, and speculative output leaves plain decoding's at the first near-tie
+    (bench/dtype_cost.py: token 49 of 500 on the default model), so a half dtype is only used when asked for,
+    with that said. A dtype the device cannot run well falls back, with a sentence to `say`; an explicit
+    --device cuda without a GPU is an error rather than a silent switch to the CPU, where a run meant for a GPU
+    would take many times longer."""
+    import torch
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        why = "this torch is a CPU-only build" if torch.version.cuda is None else "torch sees no CUDA GPU (driver?)"
+        raise UserError(f"--device cuda was asked for, but {why}; use --device cpu (or auto).")
+    device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    name = "float32" if cfg.dtype == "auto" else cfg.dtype
+    if device == "cpu" and name == "float16":
+        say("--dtype float16: CPUs have no fast float16 kernels (it runs slower than float32); using float32.")
+        name = "float32"
+    if device == "cuda" and name == "bfloat16" and not torch.cuda.is_bf16_supported():
+        say(f"--dtype bfloat16: {torch.cuda.get_device_name()} cannot compute in bfloat16; using float16.")
+        name = "float16"
+    if name != "float32" and cfg.draft != "none":
+        say(f"--dtype {name}: drafts are verified in a wider forward than single steps, which rounds differently, so "
+            "the text can leave what --draft none writes at a near-tie; use float32 (the default) for token-exact output.")
+    return device, getattr(torch, name)
+
+
+def weight_bytes(mcfg: "ModelConfig", dtype) -> int:
+    """The model's parameters, counted from its configuration, times the dtype's size (norms and biases, a
+    fraction of a percent, left out): known before a byte of the weights is read."""
+    import torch
+
+    h, inter, hd = mcfg.hidden_size, mcfg.intermediate_size, mcfg.head_dim
+    attention = h * (mcfg.n_heads + 2 * mcfg.n_kv_heads) * hd + mcfg.n_heads * hd * h
+    params = mcfg.vocab_size * h * (1 if mcfg.tie_embeddings else 2) + mcfg.n_layers * (attention + 3 * h * inter)
+    return params * torch.finfo(dtype).bits // 8
+
+
+def free_memory(device: str) -> int | None:
+    """Bytes free where the model will live: available RAM, or the current GPU's free memory."""
+    if device == "cpu":
+        return _available_memory()
+    import torch
+
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def fit_dtype(cfg: Config, mcfg: "ModelConfig", device: str, dtype, say) -> "torch.dtype":
+    """`--dtype auto` is float32 (token-exact); when float32 weights do not fit the free memory but half-size
+    ones do, half it is, with that said (an 8B model: 32 GB in float32, 16 GB in bfloat16 on a 24 GB GPU)."""
+    import torch
+
+    if cfg.dtype != "auto" or dtype != torch.float32:
+        return dtype
+    free = free_memory(device)
+    if free is None or weight_bytes(mcfg, dtype) <= 0.9 * free:
+        return dtype
+    half = torch.bfloat16 if device == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
+    if weight_bytes(mcfg, half) > 0.9 * free:
+        return dtype  # neither fits: make_window says what to do
+    say(f"the model's float32 weights ({human_bytes(weight_bytes(mcfg, dtype))}) do not fit the {human_bytes(free)} "
+        f"free {'in RAM' if device == 'cpu' else 'on the GPU'}; using {dtype_name(half)}, in which drafted text can leave what "
+        "--draft none writes at a near-tie (--dtype float32 to insist).")
+    return half
+
+
+def attention_notes(cfg: Config, device: str, dtype) -> tuple[bool, list[str]]:
+    """Whether CUDA graphs will be used, and a sentence for each GPU option that cannot be honoured here."""
+    from .model import attention_plan
+
+    tree, _, notes = attention_plan(cfg.attention, device, dtype)
+    graphs = cfg.cuda_graphs
+    if graphs and device != "cuda":
+        notes.append("--cuda-graphs: needs a CUDA GPU; running without graphs.")
+        graphs = False
+    elif graphs and not tree:
+        notes.append("--cuda-graphs: needs the Triton tree kernel (triton installed, --attention auto, triton or "
+                     "flash); running without graphs.")
+        graphs = False
+    return graphs, notes
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, bytes; None where there is none (not Linux): then nothing is checked."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

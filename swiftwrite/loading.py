@@ -1,0 +1,296 @@
+"""Opening the model and assembling an engine around it: files, configuration, tokenizer and device first, the
+context window checked against free memory, and only then the weights; then the sampler, draft sources and
+cost curves.
+
+torch, transformers and the engine are imported inside the functions that use them, so that every cheaper
+check fails before seconds of imports and loading (see writer.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .config import Config
+from .devices import attention_notes, fit_dtype, free_memory, pick_device, weight_bytes
+from .errors import UserError, first_line
+from .store import ModelRef, home, resolve
+from .ui import Display, dtype_name, human_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+    from .engine import Engine
+    from .model import LeanModel, ModelConfig
+    from .window import Window
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The model
+
+
+def check_gguf_header(path: Path) -> None:
+    """A .gguf that is not one is refused here, in a millisecond, not after seconds of starting a conversion."""
+    if path.suffix != ".gguf" or not path.is_file():
+        return  # not a GGUF path, or a missing one: store.resolve says so
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+    except OSError as e:
+        raise UserError(f"GGUF file {path} cannot be read ({e.strerror}).") from None
+    if head[:4] != b"GGUF" or int.from_bytes(head[4:8], "little") not in (2, 3):
+        raise UserError(f"{path} is not a GGUF model file (no GGUF v2/v3 header); check the file or download it again.")
+
+
+@dataclass
+class Loaded:
+    ref: ModelRef
+    tok: object
+    mcfg: "ModelConfig"  # from config.json, known before the weights are read
+    device: str
+    dtype: "torch.dtype"
+    model: "LeanModel | None" = None  # set by load_weights(), after every cheaper check has passed
+    attention: str = "auto"  # config.ATTENTIONS
+    cuda_graphs: bool = False  # wrap the lean model in graphs.GraphedModel (checked: CUDA and the tree kernel)
+
+
+def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Loaded:
+    """Everything about the model short of its weights: files, configuration, device, dtype, tokenizer."""
+    if ref is None:
+        check_gguf_header(Path(cfg.model).expanduser())
+        ref = resolve(cfg.model, log=display.info)
+    device, dtype = pick_device(cfg, display.info)
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    mcfg, lean = _model_config(ref, display)
+    dtype = fit_dtype(cfg, mcfg, device, dtype, display.info)
+    graphs, notes = attention_notes(cfg, device, dtype)  # with the dtype the model will really have
+    for note in notes:
+        display.info(note)
+    return _loaded(ref, mcfg, device, dtype, cfg.attention, graphs and lean)
+
+
+def _model_config(ref: ModelRef, display: Display) -> tuple["ModelConfig", bool]:
+    """The model's configuration, and whether the lean forward runs it (else transformers does)."""
+    from .model import SUPPORTED_ARCHS, ModelConfig, read_hf_config
+
+    raw = read_hf_config(ref.path)
+    if isinstance(raw, dict) and raw.get("model_type") not in SUPPORTED_ARCHS:
+        from transformers import AutoConfig
+        from transformers.utils import logging as hf_logging
+
+        from .hfmodel import config_from, weight_files
+
+        hf_logging.set_verbosity_error()
+        if not weight_files(ref.path):
+            raise UserError(f"{ref.path} has a '{raw.get('model_type')}' configuration but no weights "
+                            "(*.safetensors or pytorch_model.bin); check the model directory.")
+        try:
+            mcfg = config_from(AutoConfig.from_pretrained(str(ref.path)))
+        except UserError:
+            raise
+        except Exception as e:  # an architecture this transformers does not know, or a broken config
+            raise UserError(f"architecture '{raw.get('model_type')}' of {ref.path} is not in the lean forward's family "
+                            f"({', '.join(SUPPORTED_ARCHS)}) and transformers cannot read it either ({first_line(e)}).") from None
+        display.info(f"architecture '{mcfg.arch}' is outside the lean forward's family ({', '.join(SUPPORTED_ARCHS)}); "
+                     "running it through transformers, which is slower, and without multi-token heads.")
+        return mcfg, False
+    try:
+        return ModelConfig.from_hf(raw), True
+    except KeyError as e:
+        raise UserError(f"{ref.path / 'config.json'} lacks {e}; it is not a complete model configuration, "
+                        "re-download or re-convert the model.") from None
+    except (TypeError, AttributeError, ValueError):
+        raise UserError(f"{ref.path / 'config.json'} is not a model configuration (a JSON object of settings); "
+                        "re-download or re-convert the model.") from None
+
+
+def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype, attention: str, graphs: bool) -> Loaded:
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(ref.path))
+    except Exception as e:  # transformers raises whatever its backend raises for a bad tokenizer file
+        raise UserError(f"the tokenizer in {ref.path} cannot be loaded ({first_line(e, 120)}); "
+                        "re-download or re-convert the model.") from None
+    return Loaded(ref, tok, mcfg, device, dtype, attention=attention, cuda_graphs=graphs)
+
+
+def load_weights(lm: Loaded) -> None:
+    from .model import SUPPORTED_ARCHS, load_lean
+
+    if lm.mcfg.arch in SUPPORTED_ARCHS:
+        lm.model = load_lean(lm.ref.path, lm.device, lm.dtype, lm.attention)
+        if lm.cuda_graphs:
+            from .graphs import GraphedModel
+
+            lm.model = GraphedModel(lm.model)
+    else:
+        from .hfmodel import load_hf
+
+        lm.model = load_hf(lm.ref.path, lm.device, lm.dtype)
+
+
+def load(cfg: Config, display: Display) -> Loaded:
+    """The model in one call, for callers with no input of their own to check first (bench, training)."""
+    lm = open_model(cfg, display)
+    load_weights(lm)
+    return lm
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The window and the engine around the model
+
+
+def make_window(cfg: Config, lm: Loaded, prompt_len: int, display: Display) -> "Window":
+    """The context the model attends to, checked against the prompt and free memory before any weight loads."""
+    from .budget import MAX_BUDGET
+    from .model import KVCache
+    from .window import Window
+
+    limit = lm.mcfg.max_positions
+    if cfg.context > limit:
+        display.info(f"--context {cfg.context} is past the model's {limit} positions; using {limit}.")
+    context = min(cfg.context or limit, limit)
+    window = Window(context, prompt_len)
+    kv = KVCache.bytes_needed(lm.mcfg, context + 1 + MAX_BUDGET, lm.dtype)
+    weights = weight_bytes(lm.mcfg, lm.dtype) if lm.model is None else 0  # loaded ones are already not free
+    avail = free_memory(lm.device)
+    where = "in RAM" if lm.device == "cpu" else "on the GPU"
+    dtype = dtype_name(lm.dtype)
+    if avail is not None and weights > avail:
+        raise UserError(f"the model's {dtype} weights need {human_bytes(weights)} but only {human_bytes(avail)} is free "
+                        f"{where}; use a smaller model" + (", or --dtype bfloat16 (half the memory, not token-exact)"
+                                                            if dtype == "float32" else "") + ".")
+    if avail is not None and weights + kv > avail:
+        per_token = kv / (context + 1 + MAX_BUDGET)
+        fits = max(256, int((avail - weights) * 0.8 / per_token))
+        what = f"the weights ({human_bytes(weights)}) and the KV cache ({human_bytes(kv)})" if weights else \
+            f"the KV cache ({human_bytes(kv)})"
+        raise UserError(f"{what} need more than the {human_bytes(avail)} free {where}; use --context {fits} or less.")
+    return window
+
+
+def suppressed_ids(tok, mcfg: "ModelConfig") -> tuple[int, ...]:
+    ids = set(mcfg.eos_token_ids)
+    if tok is None:  # ids-only callers (bench/gpu_check.py with random weights): the config's end ids
+        return tuple(sorted(ids))
+    for t in (tok.eos_token_id, getattr(tok, "pad_token_id", None)):
+        if t is not None:
+            ids.add(int(t))
+    for name in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>"):
+        t = tok.convert_tokens_to_ids(name) if name in tok.get_vocab() else None
+        if t is not None:
+            ids.add(int(t))
+    return tuple(sorted(ids))
+
+
+def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, display: Display) -> "Engine":
+    """`window`: from make_window(), or the prompt length to make it from."""
+    from . import budget as budget_mod
+    from .engine import SOURCES, Engine, make_sources
+    from .sampling import Sampler, SamplerSettings
+
+    if isinstance(window, int):
+        window = make_window(cfg, lm, window, display)
+    model = lm.model
+    stops = suppressed_ids(lm.tok, model.cfg)
+    settings = SamplerSettings(
+        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
+        penalty=cfg.penalty, window=cfg.penalty_window, suppress=() if cfg.stop_at_eos else stops, seed=cfg.seed,
+    )
+    names = [] if cfg.draft == "none" else (list(SOURCES) if cfg.draft == "all" else [cfg.draft])
+    heads = load_head_drafter(lm, required=cfg.draft == "heads", display=display, cfg=cfg, window=window) \
+        if "heads" in names else None
+    if heads is None and "heads" in names:
+        names.remove("heads")  # "all" without heads for this model: the train-free sources alone
+    sources, stats = make_sources(names, model.cfg.vocab_size, static_tree=cfg.static_tree, heads=heads)
+    fixed = None
+    if names and cfg.budget != "auto":
+        fixed = int(cfg.budget)
+        if fixed > budget_mod.MAX_BUDGET:
+            display.info(f"--budget {fixed} is more than the {budget_mod.MAX_BUDGET} nodes a step can verify; using {budget_mod.MAX_BUDGET}.")
+            fixed = budget_mod.MAX_BUDGET
+    if cfg.static_tree and fixed is None:
+        fixed = budget_mod.MAX_BUDGET
+    engine = Engine(model, Sampler(settings, model.cfg.vocab_size, model.device), window, sources, stats,
+                    budget=fixed, capacity=total + 1, stop_ids=stops if cfg.stop_at_eos else ())
+    display.info(f"KV cache: {human_bytes(engine.cache.nbytes)} for a {window.context}-token context on "
+                 f"{lm.device}/{dtype_name(lm.dtype)}")
+    return engine
+
+
+def load_head_drafter(lm: Loaded, required: bool, display: Display, cfg: Config | None = None,
+                      window: "Window | None" = None):
+    """The heads factory for this model (its own trained heads, else the shipped ones), or None. Missing or
+    unusable heads are an error for --draft heads and a notice for --draft all."""
+    from .heads import HeadsDrafter, HeadsError, TwoPassHeadsDrafter, default_heads_path, load_heads
+
+    if getattr(lm.model, "fallback", False):
+        if required:
+            raise UserError(f"multi-token heads need the lean forward, and {lm.ref.name} ('{lm.mcfg.arch}') runs through "
+                            "transformers; use --draft all or recycling.")
+        return None
+    path = default_heads_path(lm.ref.fingerprint)
+    if path is None:
+        if required:
+            raise UserError(f"no trained heads match {lm.ref.name}; train them with `swiftwrite train-heads --model "
+                            f"{lm.ref.name} --self-distill` or use --draft all.")
+        return None
+    try:
+        heads = load_heads(path, lm.model, lm.ref.fingerprint)
+    except HeadsError as e:
+        if required:
+            raise
+        display.info(f"heads not used: {e}")
+        return None
+    if cfg is None or cfg.head_mode == "fused":
+        return HeadsDrafter.factory(heads, lm.model)
+    kv_budget = cfg.draft_kv_budget
+    if window is not None and kv_budget > window.context:
+        display.info(f"--draft-kv-budget {kv_budget} is more than the {window.context}-token context; the draft "
+                     f"forward reads the whole context.")
+        kv_budget = window.context
+    return TwoPassHeadsDrafter.factory(heads, lm.model, kv_budget)
+
+
+def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display: Display | None = None,
+               upto: int | None = None) -> None:
+    """Give an automatic-budget engine its cost curves: measured once per machine and context bucket, cached
+    on disk. The current bucket is measured now rather than inside the first step, and with `upto` (the
+    longest context this run will reach) every later bucket too, so no measurement lands inside a timed
+    loop (bench) or stalls a step mid-run."""
+    if not engine.sources or engine.budget is not None:
+        return
+    import torch
+
+    from . import budget as budget_mod
+
+    from .engine import COST_BUCKET
+
+    key = f"{lm.ref.fingerprint}/{lm.model.device.type}/{str(lm.model.dtype)}/{torch.get_num_threads()}t"
+    key += ("/graphs" if lm.cuda_graphs else "") + (f"/attn-{lm.attention}" if lm.attention != "auto" else "")
+
+    def cost_at(cache):
+        # measured once per model, device, dtype, thread count and 1K-token context bucket, then cached on disk
+        bucket = cache.length // COST_BUCKET
+        return budget_mod.cached_curve(home() / "cost_curves.json", f"{key}/ctx{bucket}",
+                                       lambda: budget_mod.measure(lm.model, cache))
+
+    engine.cost_at = cost_at
+    engine.cost = cost_at(engine.cache)
+    engine._cost_bucket = engine.cache.length // COST_BUCKET
+    if upto:
+        cache, length = engine.cache, engine.cache.length
+        try:
+            last = min(upto, engine.window.context, cache.capacity - budget_mod.SIZES[-1]) // COST_BUCKET
+            for bucket in range(length // COST_BUCKET + 1, last + 1):
+                cache.length = bucket * COST_BUCKET  # scratch slots past the committed ones: timing only
+                cost_at(cache)
+        finally:
+            cache.length = length

@@ -1,0 +1,112 @@
+"""The prompt: reading the user's brief, wrapping it in a template, turning it into token ids, and turning the
+generated ids back into text as they come (never splitting a UTF-8 character).
+
+transformers is not imported here: the tokenizer comes in from the caller, so a bad prompt fails before any
+model file is touched.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .errors import UserError
+
+MAX_PROMPT_BYTES = 1 << 20
+# Templates ship inside the package (swiftwrite/templates/) when installed, in prompts/ in a source checkout.
+TEMPLATE_DIRS = (Path(__file__).resolve().parent / "templates", Path(__file__).resolve().parent.parent / "prompts")
+
+
+def read_prompt(source: str) -> str:
+    if source == "-":
+        if sys.stdin.isatty():
+            print("swiftwrite: reading the prompt from the terminal; end it with Ctrl-D.", file=sys.stderr, flush=True)
+        data = sys.stdin.buffer.read(MAX_PROMPT_BYTES + 1)
+        where = "standard input"
+    else:
+        p = Path(source)
+        if not p.exists():
+            raise UserError(f"prompt file {p} does not exist.")
+        if p.is_dir():
+            raise UserError(f"prompt {p} is a directory; give a text file (or - for standard input).")
+        try:
+            with open(p, "rb") as fh:
+                data = fh.read(MAX_PROMPT_BYTES + 1)
+        except OSError as e:
+            raise UserError(f"prompt file {p} cannot be read ({e.strerror}).") from None
+        where = str(p)
+    if len(data) > MAX_PROMPT_BYTES:
+        raise UserError(f"the prompt in {where} is over 1 MB; a prompt must fit the model's context, shorten it.")
+    if b"\x00" in data:
+        raise UserError(f"the prompt in {where} looks binary (it contains NUL bytes); give a UTF-8 text file.")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"the prompt in {where} is not valid UTF-8 (byte {e.start}); convert it to UTF-8.") from None
+    if not text.strip():
+        raise UserError(f"the prompt in {where} is empty; write a brief of what the document should be.")
+    return text
+
+
+def apply_template(brief: str, template: str) -> str:
+    if template == "none":
+        return brief
+    for d in TEMPLATE_DIRS:
+        if (d / f"{template}.txt").is_file():
+            return (d / f"{template}.txt").read_text(encoding="utf-8").replace("{brief}", brief.strip())
+    raise UserError(f"the {template} template is missing from this installation ({TEMPLATE_DIRS[0]}); "
+                    "reinstall swiftwrite or use --template none.")
+
+
+def prompt_ids(tok, text: str, raw: bool) -> list[int]:
+    if raw or not getattr(tok, "chat_template", None):
+        ids = tok(text, add_special_tokens=True)["input_ids"]
+    else:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):
+            ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+class TextStream:
+    """Incremental detokenisation that never splits a UTF-8 character: text is released only once the
+    decoding of the pending tokens no longer ends in a replacement character.
+
+    `pending` tokens at a checkpoint (a character cut by the chunk boundary) are in tokens.bin but not yet in
+    output.txt; the checkpoint records how many, so a resumed stream picks them up exactly where it was."""
+
+    def __init__(self, tok, history: list[int], pending: int = 0):
+        self.tok = tok
+        cut = len(history) - pending
+        self.prefix = list(history[max(0, cut - 4):cut])  # context so that leading spaces decode as in the full text
+        self.pending: list[int] = list(history[cut:])
+
+    def push(self, ids: list[int]) -> str:
+        """Release the text of the pending tokens up to the last one that ends a whole character. The result
+        must not depend on how tokens were grouped into steps (drafting changes the grouping), so only the
+        unfinished tail is held back, never a whole step."""
+        dec = lambda t: self.tok.decode(t, skip_special_tokens=False)  # noqa: E731
+        self.pending.extend(ids)
+        head = dec(self.prefix)
+        j, full = len(self.pending), dec(self.prefix + self.pending)
+        while j > 0 and full.endswith("\ufffd"):
+            j -= 1
+            full = dec(self.prefix + self.pending[:j])
+        if (j == 0 and full.endswith("\ufffd")) or len(self.pending) - j >= 8:  # not a character in the making
+            j, full = len(self.pending), dec(self.prefix + self.pending)
+        if j == 0:
+            return ""
+        out = full[len(head):] if full.startswith(head) else dec(self.pending[:j])
+        self.prefix = (self.prefix + self.pending[:j])[-4:]
+        self.pending = self.pending[j:]
+        return out
+
+    def flush(self) -> str:
+        """Whatever is still pending (a character cut by the end of the run decodes as U+FFFD)."""
+        if not self.pending:
+            return ""
+        head = self.tok.decode(self.prefix, skip_special_tokens=False)
+        full = self.tok.decode(self.prefix + self.pending, skip_special_tokens=False)
+        self.pending = []
+        return full[len(head):] if full.startswith(head) else full
+
