@@ -40,6 +40,12 @@ def generate(
     top_k: Optional[str] = Opt(None, metavar="K", help="0 = off (default)."),
     penalty: Optional[str] = Opt(None, metavar="THETA", help="Repetition penalty theta; 1 = off (default 1.2)."),
     penalty_window: Optional[str] = Opt(None, metavar="W", help="Tokens the penalty looks back (default 1024)."),
+    dry_multiplier: Optional[str] = Opt(None, metavar="M", help="N-gram repetition suppression strength; 0 = off (default 0.8)."),
+    dry_base: Optional[str] = Opt(None, metavar="B", help="Its growth per repeated token, >= 1 (default 1.75)."),
+    dry_allowed_length: Optional[str] = Opt(None, metavar="N", help="Repeats this long pass unpunished (default 3)."),
+    dry_window: Optional[str] = Opt(None, metavar="N", help="Tokens it looks back; 0 = the whole text (default)."),
+    dry_breakers: Optional[str] = Opt(None, metavar="LIST", help="Strings a repeat never runs across, comma-separated (default \\n); none = no breakers."),
+    stop_on_loop: Optional[str] = Opt(None, metavar="N", help="End the run (exit 3) when a verbatim repeat reaches N tokens; 0 = off (default)."),
     stop_at_eos: Optional[bool] = Opt(None, "--stop-at-eos", help="Stop at end-of-text instead of writing --tokens."),
     chunk: Optional[str] = Opt(None, metavar="N", help="Tokens between checkpoints (default 256)."),
     draft: Optional[str] = Opt(None, metavar="NAME", help="none | recycling | ngram | heads | all (default all)."),
@@ -63,6 +69,8 @@ def generate(
 
     flags = dict(model=model, tokens=tokens, template=template, raw=raw, seed=seed, temperature=temperature,
                  top_p=top_p, min_p=min_p, top_k=top_k, penalty=penalty, penalty_window=penalty_window,
+                 dry_multiplier=dry_multiplier, dry_base=dry_base, dry_allowed_length=dry_allowed_length,
+                 dry_window=dry_window, dry_breakers=dry_breakers, stop_on_loop=stop_on_loop,
                  stop_at_eos=stop_at_eos, chunk=chunk, draft=draft, budget=budget, static_tree=static_tree,
                  head_mode=head_mode, draft_kv_budget=draft_kv_budget, context=context, device=device, dtype=dtype, attention=attention,
                  cuda_graphs=cuda_graphs, threads=threads)

@@ -25,6 +25,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # auto: on CUDA the Triton tree kernel for trees and flash-attn for prefill/decoding where installed, torch
 # on the CPU; torch: torch everywhere; triton / flash: ask for that kernel (a notice and torch if it can't run)
 ATTENTIONS = ("auto", "torch", "triton", "flash")
+MIN_LOOP = 16  # shortest --stop-on-loop: the loop tracker's floor (repetition.Repeats min_len of the alarm)
 MAX_TOKENS = 10_000_000  # far past any model's usefulness; catches a typo'd extra zero or two
 
 
@@ -43,6 +44,16 @@ class Config:
     top_k: int = 0  # 0 = off
     penalty: float = 1.2  # theta of the contextual penalty (TokenSwift); 1 = off; >= 1
     penalty_window: int = 1024  # W: the penalty sees the last W tokens, prompt included
+    # n-gram repetition suppression (DRY): a token that would continue a verbatim repeat of L >= allowed_length
+    # tokens loses multiplier * base^(L - allowed_length) from its logit. Defaults from bench/dry_sweep.py
+    dry_multiplier: float = 0.8  # 0 = off; >= 0
+    dry_base: float = 1.75  # growth per repeated token; >= 1
+    dry_allowed_length: int = 3  # repeats this long pass unpunished; >= 1
+    dry_window: int = 0  # tokens it looks back, prompt included; 0 = the whole text (no edge to set a period)
+    # strings that end a match (a token whose text holds one is a breaker), comma-separated, \n \t \, \\
+    # escapes; "none" = no breakers
+    dry_breakers: str = "\\n"
+    stop_on_loop: int = 0  # end the run (checkpoint, exit 3) when a verbatim repeat reaches N tokens; 0 = off, >= 16
     stop_at_eos: bool = False  # stop at end-of-text instead of writing exactly `tokens`
     chunk: int = 256  # tokens between checkpoints (token file flushed, state written atomically)
     draft: str = "all"  # none | recycling | ngram | heads | all (heads join "all" when trained ones match the model)
@@ -82,6 +93,16 @@ class Config:
         need(self.top_k >= 0, "top_k", "must be 0 (off) or positive")
         need(self.penalty >= 1, "penalty", "must be at least 1 (1 turns it off)")
         need(self.penalty_window >= 0, "penalty_window", "must be 0 or a positive number of tokens")
+        need(self.dry_multiplier >= 0, "dry_multiplier", "must be 0 (off) or positive")
+        need(self.dry_base >= 1, "dry_base", "must be at least 1")
+        need(self.dry_allowed_length >= 1, "dry_allowed_length", "must be at least 1 token")
+        need(self.dry_window >= 0, "dry_window", "must be 0 (the whole text) or a positive number of tokens")
+        try:
+            breaker_strings(self.dry_breakers)
+        except ValueError as e:
+            need(False, "dry_breakers", str(e))
+        need(self.stop_on_loop == 0 or self.stop_on_loop >= MIN_LOOP, "stop_on_loop",
+             f"must be 0 (off) or at least {MIN_LOOP} tokens (shorter repeats are ordinary phrases)")
         need(self.chunk >= 1, "chunk", "must be at least 1 token")
         need(self.draft in DRAFT_CHOICES, "draft", f"must be one of {', '.join(DRAFT_CHOICES)}")
         need(self.budget == "auto" or (self.budget.isdigit() and int(self.budget) >= 1), "budget",
@@ -102,6 +123,34 @@ class Config:
 
 
 FIELDS = {f.name: f for f in fields(Config)}
+
+# What a run directory saved before an option existed meant: a resumed run keeps writing the text it started.
+LEGACY = {"dry_multiplier": 0.0, "stop_on_loop": 0}
+
+_ESCAPES = {"n": "\n", "t": "\t", ",": ",", "\\": "\\"}
+
+
+def breaker_strings(spec: str) -> list[str]:
+    """--dry-breakers as a list of strings: comma-separated, with \\n, \\t, \\, and \\\\ escapes; "none" = []."""
+    if spec.strip().lower() == "none":
+        return []
+    out, cur, i = [], "", 0
+    while i < len(spec):
+        c = spec[i]
+        if c == "\\" and i + 1 < len(spec) and spec[i + 1] in _ESCAPES:
+            cur += _ESCAPES[spec[i + 1]]
+            i += 2
+            continue
+        if c == ",":
+            out.append(cur)
+            cur = ""
+        else:
+            cur += c
+        i += 1
+    out.append(cur)
+    if any(b == "" for b in out):
+        raise ValueError("has an empty breaker; list strings separated by commas (\\n for a newline), or 'none'")
+    return out
 
 
 KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a word"}
@@ -186,6 +235,7 @@ def resolve(config_file: Path | None, flags: dict, environ=os.environ, base: dic
     cfg = Config()
     where: dict[str, str] = {}
     if base:
+        base = {**{k: v for k, v in LEGACY.items() if k not in base}, **base}
         _apply(cfg, base, lambda k, n: f"saved run configuration: {k}", where)
     if config_file is not None:
         _apply(cfg, load_yaml(config_file), lambda k, n: f"{config_file}: {k}" if n else str(config_file), where)

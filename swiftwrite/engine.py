@@ -190,7 +190,7 @@ class Engine:
         logits, hidden = self.model.forward(flat.tokens, positions, self.cache, flat.anc if n_nodes > 1 else None)
         self.forwards += 1
         hist_t = self.S[: self.n]
-        processed = self.sampler.process(logits, hist_t.to(logits.device), flat.tokens, flat.depth, flat.anc)
+        processed = self.sampler.process(logits, hist_t, flat.tokens, flat.depth, flat.anc, flat.parent)
         choice = self.sampler.choose(processed, (self.n + flat.depth).tolist()).tolist()
         path, bonus = walk(flat, choice)
         if self.sources:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .engine import Engine
     from .model import LeanModel, ModelConfig
     from .window import Window
+    from .repetition import DrySettings
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -190,6 +191,22 @@ def suppressed_ids(tok, mcfg: "ModelConfig") -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def dry_settings(cfg: Config, tok, vocab: int) -> "DrySettings":
+    """The n-gram suppression settings, breakers as token ids: every token whose text holds a breaker string
+    (a newline is inside "\\n\\n" and ".\\n" tokens too). Without a tokenizer (ids-only callers) no breakers."""
+    from .config import breaker_strings
+    from .repetition import DrySettings
+
+    strings = breaker_strings(cfg.dry_breakers)
+    ids: tuple[int, ...] = ()
+    if strings and tok is not None and cfg.dry_multiplier > 0:
+        n = min(vocab, len(tok))
+        texts = tok.batch_decode([[i] for i in range(n)])
+        ids = tuple(i for i, t in enumerate(texts) if any(b in t for b in strings))
+    return DrySettings(multiplier=cfg.dry_multiplier, base=cfg.dry_base, allowed_length=cfg.dry_allowed_length,
+                       window=cfg.dry_window, breakers=ids)
+
+
 def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, display: Display) -> "Engine":
     """`window`: from make_window(), or the prompt length to make it from."""
     from . import budget as budget_mod
@@ -203,6 +220,7 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
     settings = SamplerSettings(
         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
         penalty=cfg.penalty, window=cfg.penalty_window, suppress=() if cfg.stop_at_eos else stops, seed=cfg.seed,
+        dry=dry_settings(cfg, lm.tok, model.cfg.vocab_size),
     )
     names = [] if cfg.draft == "none" else (list(SOURCES) if cfg.draft == "all" else [cfg.draft])
     heads = load_head_drafter(lm, required=cfg.draft == "heads", display=display, cfg=cfg, window=window) \

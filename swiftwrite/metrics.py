@@ -35,3 +35,42 @@ def median(xs: Sequence[float]) -> float:
         raise ValueError("median of nothing")
     mid = len(s) // 2
     return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def longest_repeat(tokens: Sequence[int]) -> int:
+    """Length of the longest stretch of tokens that occurs at least twice in the text (the two occurrences
+    may overlap): 0 for a text with no repeated token. Binary search on the length, each length checked by
+    rolling hashes of every window and confirmed token by token, so O(n log n) for a 100K-token text."""
+    import numpy as np
+
+    a = np.asarray(tokens, dtype=np.int64)
+    n = a.shape[0]
+    if n < 2:
+        return 0
+    mods, B = (2_147_483_647, 2_147_483_629), 1_000_003
+    prefix = []
+    for p in mods:  # prefix[i] = hash of a[:i]
+        h = np.zeros(n + 1, dtype=np.int64)
+        acc = 0
+        for i, t in enumerate(a.tolist()):
+            acc = (acc * B + t + 1) % p
+            h[i + 1] = acc
+        prefix.append(h)
+
+    def repeated(L: int) -> bool:
+        keys = None
+        for p, h in zip(mods, prefix):
+            w = (h[L:] - h[: n - L + 1] * pow(B, L, p) % p) % p
+            keys = w if keys is None else keys * p + w  # < 2^62: two 31-bit residues in one int64
+        order = np.argsort(keys, kind="stable")
+        same = np.nonzero(keys[order][1:] == keys[order][:-1])[0]
+        return any(np.array_equal(a[order[j] : order[j] + L], a[order[j + 1] : order[j + 1] + L]) for j in same[:64])
+
+    lo, hi = 0, n - 1  # repeated(lo) holds (the empty stretch); find the largest L that does
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if repeated(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -15,10 +15,12 @@ verify sampled tokens by the same walk as greedy ones, and a resumed run needs n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from .repetition import Dry, DrySettings
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class SamplerSettings:
     window: int = 1024  # penalty window W in tokens (prompt included)
     suppress: tuple[int, ...] = ()  # token ids never chosen (end-of-text until the target is reached)
     seed: int = 0
+    dry: DrySettings = field(default_factory=DrySettings)  # n-gram repetition suppression; off by default here
 
 
 class Sampler:
@@ -40,6 +43,7 @@ class Sampler:
         self.device = device
         self._noise: dict[int, torch.Tensor] = {}
         self._suppress = torch.tensor(s.suppress, dtype=torch.long, device=device) if s.suppress else None
+        self.dry = Dry(s.dry, vocab) if s.dry.on else None
 
     @property
     def greedy(self) -> bool:
@@ -58,6 +62,8 @@ class Sampler:
         W, N, V = self.s.window, history.shape[0], self.vocab
         max_d = int(depth.max())
         lo = max(0, N - W)
+        history = history[lo:].to(tokens.device)  # only the window is read (the history may be on the CPU)
+        N, lo = N - lo, 0
         counts = torch.bincount(history[lo:], minlength=V)
         rows = [counts > 0]
         for d in range(1, max_d + 1):
@@ -74,14 +80,19 @@ class Sampler:
             pres[ii, tokens[jj]] = True
         return pres
 
-    def process(self, logits: torch.Tensor, history: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
-        """Penalty, suppression, temperature and filters, per node. Returns float logits [n, vocab] in place."""
+    def process(self, logits: torch.Tensor, history: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor,
+                anc: torch.Tensor, parent: torch.Tensor | None = None) -> torch.Tensor:
+        """Penalty, n-gram suppression, end-of-text suppression, temperature and filters, per node. `history`
+        is the committed sequence on the CPU (its last token is the root); `parent` of each node (root: -1),
+        derived from `anc` when not given. Returns float logits [n, vocab] (a new tensor)."""
         s = self.s
         if s.penalty != 1.0 and s.window > 0:
             pres = self.presence(history, tokens, depth, anc)
             # theta > 1 pushes seen tokens down on both sides of zero: divide positive logits, multiply negative
             penalised = torch.where(logits > 0, logits / s.penalty, logits * s.penalty)
             logits = torch.where(pres, penalised, logits)
+        if self.dry is not None:
+            logits = self._dry(logits, history, tokens, depth, anc, parent)
         if self._suppress is not None:
             logits = logits.index_fill(-1, self._suppress, float("-inf"))  # not in place: inference-mode tensor
         if self.greedy:
@@ -99,6 +110,22 @@ class Sampler:
             probs = torch.softmax(logits, dim=-1)
             logits = logits.masked_fill(probs < s.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
         return logits
+
+    def _dry(self, logits, history, tokens, depth, anc, parent):
+        if parent is None:
+            parent = parent_of(anc, depth)
+        rows, toks, amounts = self.dry.penalties(history.cpu().numpy(), tokens.cpu().numpy(), depth.cpu().numpy(),
+                                                 parent.cpu().numpy())
+        if rows.shape[0] == 0:
+            return logits
+        # A token several earlier occurrences point at loses the largest amount (that of its longest match).
+        key = rows * self.vocab + toks
+        order = np.lexsort((amounts, key))
+        key, amounts = key[order], amounts[order]
+        last = np.append(key[1:] != key[:-1], True)
+        idx = torch.from_numpy(key[last]).to(logits.device)
+        minus = torch.from_numpy(-amounts[last]).to(logits.device, logits.dtype)
+        return logits.reshape(-1).index_put((idx,), minus, accumulate=True).reshape(logits.shape)
 
     # -- the choice -------------------------------------------------------------------------------------
 
@@ -125,3 +152,9 @@ class Sampler:
         table = torch.stack([self.noise(p) for p in uniq])
         rows = torch.tensor([uniq.index(p) for p in pos], device=processed.device)
         return (processed + table[rows]).argmax(-1)
+
+
+def parent_of(anc: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """Each node's parent from the ancestor mask: its ancestor one level up (the root's is -1)."""
+    up = anc & (depth.unsqueeze(0) == depth.unsqueeze(1) - 1)
+    return torch.where(up.any(1), up.to(torch.int8).argmax(1), torch.full_like(depth, -1))

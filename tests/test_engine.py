@@ -25,6 +25,7 @@ import torch
 from swiftwrite.budget import SIZES, CostCurve
 from swiftwrite.engine import Engine, make_sources
 from swiftwrite.model import load_lean
+from swiftwrite.repetition import DrySettings
 from swiftwrite.sampling import Sampler, SamplerSettings
 from swiftwrite.window import Window
 from tiny import sharpened_tiny_model
@@ -284,6 +285,44 @@ def test_speculative_equals_plain_across_context_rebuilds(short_context):
     assert expected_rebuilds >= 10
     assert sum(s.rebuilt for s in steps) == expected_rebuilds
     assert sum(s.rebuilt for s in ref_steps) == expected_rebuilds
+
+
+# N-gram suppression (DRY) on: the suppression of every tree node is computed from its own text (committed
+# history + ancestors), so speculation stays exact. Allowed length 2 and a breaker token make it bite often
+# on the tiny models' repetitive text; window 0 = the whole text, 48 = an edge that moves every step.
+DRY = {
+    "greedy-dry-a2-w0": SamplerSettings(penalty=1.3, window=32, dry=DrySettings(0.8, 1.75, 2, 0, (5, 9))),
+    "sample-dry-a3-w48": SamplerSettings(temperature=0.8, min_p=0.1, penalty=1.3, window=32, seed=3,
+                                         dry=DrySettings(0.8, 1.75, 3, 48, (5,))),
+}
+DRY_N = 2000
+
+
+@pytest.fixture(scope="module")
+def dry_plain(models):
+    model = models("qwen3-s1", max_position_embeddings=REBUILD_CONTEXT)
+    prompt = prompt_for("qwen3-s1", REBUILD_PROMPT)
+    return model, prompt, {k: generate(model, prompt, s, n=DRY_N) for k, s in DRY.items()}
+
+
+@pytest.mark.parametrize("draft_id", list(DRAFTS))
+@pytest.mark.parametrize("setting_id", list(DRY))
+def test_speculative_equals_plain_with_ngram_suppression_across_context_rebuilds(dry_plain, setting_id, draft_id):
+    model, prompt, refs = dry_plain
+    ref, ref_steps = refs[setting_id]
+    names, static = DRAFTS[draft_id]
+    got, steps = generate(model, prompt, DRY[setting_id], names, static, budget=16, n=DRY_N)
+    assert_lossless(got, ref)
+    assert_drafts_accepted(steps, min_share=0.05, min_longest=2)
+    assert sum(s.rebuilt for s in steps) >= 3
+
+
+def test_ngram_suppression_changes_the_text_so_the_lossless_tests_exercise_it(dry_plain):
+    model, prompt, refs = dry_plain
+    for setting_id, s in DRY.items():
+        off = SamplerSettings(**{**s.__dict__, "dry": DrySettings()})
+        without = generate(model, prompt, off, n=400)[0]
+        assert first_diff(without, refs[setting_id][0][:400]) is not None, setting_id
 
 
 def _resume_points():

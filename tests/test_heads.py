@@ -398,6 +398,21 @@ def test_two_pass_heads_equal_plain_across_context_rebuilds(trained):
     assert got == plain
 
 
+@pytest.mark.parametrize("mode", ["fused", "two-pass"])
+def test_heads_with_ngram_suppression_equal_plain_across_context_rebuilds(trained, mode):
+    from swiftwrite.repetition import DrySettings
+
+    model, prompt, _, factory = trained("qwen3-s1")
+    settings = SamplerSettings(temperature=0.8, min_p=0.1, penalty=1.3, window=32, seed=3,
+                               dry=DrySettings(0.8, 1.75, 2, 0, (5,)))
+    plain, _ = generate(model, prompt, settings, n=1000, context=256)
+    heads = factory if mode == "fused" else TwoPassHeadsDrafter.factory(factory.heads, model, 64)
+    got, steps = generate(model, prompt, settings, ["recycling", "ngram", "heads"], n=1000, context=256, heads=heads)
+    assert sum(s.rebuilt for s in steps) >= 3
+    assert got == plain
+    assert sum(bool(m & HEADS_BIT) for s in steps for m in s.accepted_sources) >= 50
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The shipped heads on the real default model
 

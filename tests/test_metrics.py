@@ -38,3 +38,73 @@ def test_median_of_odd_and_even_counts():
     assert median([4, 1, 3, 2]) == 2.5
     with pytest.raises(ValueError):
         median([])
+
+
+def _brute_longest_repeat(t):
+    best = 0
+    for L in range(1, len(t)):
+        seen, found = set(), False
+        for i in range(len(t) - L + 1):
+            key = tuple(t[i : i + L])
+            if key in seen:
+                found = True
+                break
+            seen.add(key)
+        if not found:
+            break
+        best = L
+    return best
+
+
+def test_longest_repeat_matches_brute_force_on_random_texts():
+    import random
+
+    from swiftwrite.metrics import longest_repeat
+
+    for seed in range(200):
+        r = random.Random(seed)
+        t = [r.randrange(r.choice([2, 3, 5, 50])) for _ in range(r.randint(0, 60))]
+        assert longest_repeat(t) == _brute_longest_repeat(t), t
+
+
+def test_longest_repeat_of_a_loop_is_all_but_one_period():
+    from swiftwrite.metrics import longest_repeat
+
+    period = list(range(1000, 2025))  # the 1,025-token cycle of the old 100K run
+    assert longest_repeat(list(range(50)) + period * 4) == 3 * len(period)
+    assert longest_repeat(list(range(5000))) == 0
+
+
+def test_the_loop_alarm_sees_a_1025_token_cycle_within_two_periods_and_not_an_ordinary_text():
+    import random
+
+    from swiftwrite.repetition import LoopWatch
+
+    period = random.Random(3).choices(range(49_000), k=1025)
+    watch = LoopWatch(random.Random(4).choices(range(49_000), k=3000))
+    fired = None
+    text = period * 3
+    for i in range(0, len(text), 5):  # steps of a few tokens, as the engine commits them
+        if watch.extend(text[i : i + 5]) >= 256 and fired is None:
+            fired = i + 5
+    assert fired is not None and fired <= 2 * len(period), fired
+    assert watch.current == 2 * len(period)
+    # and a text with only short repeats (a 10-token phrase now and then) never reaches the floor
+    r = random.Random(5)
+    calm = LoopWatch()
+    phrase = list(range(10))
+    for _ in range(300):
+        assert calm.extend(r.choices(range(49_000), k=20) + phrase) < 16
+
+
+def test_the_loop_alarm_is_the_same_grown_or_rebuilt():
+    import random
+
+    from swiftwrite.repetition import LoopWatch
+
+    r = random.Random(9)
+    text = r.choices(range(30), k=500) + list(range(100, 140)) * 5
+    grown = LoopWatch()
+    for i in range(0, len(text), 7):
+        grown.extend(text[i : i + 7])
+        assert grown.current == LoopWatch(text[: i + 7]).current
