@@ -19,7 +19,7 @@ import torch
 
 from .config import Config
 from .errors import UsageError, UserError
-from .metrics import distinct, first_divergence, median, speedup
+from .metrics import distinct, distinct_n, first_divergence, longest_repeat, median, speedup
 
 # name -> the Config fields it sets; None: transformers generate
 METHODS = {
@@ -93,6 +93,7 @@ def _peak_rss_mib() -> float | None:
 
 
 TRACE_BIN = 100  # tokens per point of the throughput / acceptance trace along the generated position
+QUALITY_WINDOW = 500  # tokens of the sliding Distinct-4 at each trace point: a loop shows within it
 
 
 def machine() -> dict:
@@ -231,6 +232,10 @@ def _report(results, methods, settings, prompt_ids, tokens, repeats, lm) -> dict
             "accepted_per_forward": {k: round(v / r.forwards, 3) for k, v in r.per_source.items()} if r.per_source else None,
             "first_divergence_vs_none": (first_divergence(r.tokens, base.tokens) if base and not method.startswith("hf") else "n/a"),
             **distinct(r.tokens),
+            "longest_repeat": longest_repeat(r.tokens),
+            # beside the speed trace: a method that got faster because the text looped shows it here
+            "trace_distinct_4": [round(distinct_n(r.tokens[max(0, n - QUALITY_WINDOW) : n], 4), 4)
+                                 for n, *_ in r.trace] if r.trace else None,
         })
     return {
         "date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": lm.ref.name, "fingerprint": lm.ref.fingerprint,
@@ -243,15 +248,16 @@ def _report(results, methods, settings, prompt_ids, tokens, repeats, lm) -> dict
 
 
 def markdown(report: dict) -> str:
-    head = ("| setting | prompt | method | tok/s | × none | × generate | tok/forward | accepted/forward | D-1 | D-4 | peak MiB | first diff |\n"
-            "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|\n")
+    head = ("| setting | prompt | method | tok/s | × none | × generate | tok/forward | accepted/forward | D-1 | D-4 | "
+            "longest repeat | peak MiB | first diff |\n"
+            "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|\n")
     lines = []
     for r in report["rows"]:
         acc = ", ".join(f"{k} {v}" for k, v in (r["accepted_per_forward"] or {}).items()) or "-"
         extra = f" (+{r['draft_forwards']} draft fwd)" if r.get("draft_forwards") else ""
         lines.append(f"| {r['setting']} | {r['prompt']} | {r['method']} | {r['tokens_per_second']} | {r['speedup_vs_none'] or '-'} | "
                      f"{r['speedup_vs_generate'] or '-'} | {r['mean_tokens_per_forward'] or '-'}{extra} | {acc} | {r['distinct_1']} | "
-                     f"{r['distinct_4']} | {r.get('peak_rss_mib') or '-'} | {r['first_divergence_vs_none']} |")
+                     f"{r['distinct_4']} | {r.get('longest_repeat', '-')} | {r.get('peak_rss_mib') or '-'} | {r['first_divergence_vs_none']} |")
     m = report["machine"]
     meta = (f"{report['date']}, {m['cpu']} ({m['cores']} cores, {m['torch_threads']} torch threads), torch {m['torch']}, "
             f"model {report['model']}, {report['tokens']} new tokens, {report['repeats']} repeat(s), penalty window "
@@ -260,8 +266,8 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, out: Path) -> list[Path]:
-    """Throughput and tokens per forward pass along the generated position, one PNG per setting and prompt
-    (from each method's last repeat). Needs matplotlib (`pip install swiftwrite[plot]`); without it, none."""
+    """Throughput, tokens per forward pass and Distinct-4 over the last QUALITY_WINDOW tokens along the
+    generated position, one PNG per setting and prompt (from each method's last repeat). Needs matplotlib (`pip install swiftwrite[plot]`); without it, none."""
     try:
         import matplotlib
 
@@ -275,8 +281,8 @@ def plot(report: dict, out: Path) -> list[Path]:
         if r.get("trace"):
             groups.setdefault((r["setting"], r["prompt"]), []).append(r)
     for (setting, prompt), rows in groups.items():
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        for ax in (ax1, ax2):
+        fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4))
+        for ax in (ax1, ax2, ax3):
             ax.set_prop_cycle(color=plt.cm.tab20.colors)  # a dozen methods: no two in one colour
         for r in rows:
             pts = [[0, 0.0, 0], *r["trace"]]
@@ -285,8 +291,12 @@ def plot(report: dict, out: Path) -> list[Path]:
             tpf = [(b[0] - a[0]) / max(b[2] - a[2], 1) for a, b in zip(pts, pts[1:])]
             ax1.plot(x, rate, label=r["method"])
             ax2.plot(x, tpf, label=r["method"])
+            if r.get("trace_distinct_4"):
+                ax3.plot(x, r["trace_distinct_4"], label=r["method"])
         ax1.set(xlabel="generated tokens", ylabel=f"tokens/s (per {TRACE_BIN} tokens)", title=f"throughput, {setting}")
         ax2.set(xlabel="generated tokens", ylabel="tokens per forward pass", title=f"acceptance, {setting}")
+        ax3.set(xlabel="generated tokens", ylabel=f"Distinct-4 of the last {QUALITY_WINDOW} tokens", ylim=(0, 1.02),
+                title=f"text quality, {setting}")
         ax1.legend(fontsize=7)
         m = report["machine"]
         fig.suptitle(f"{report['model']} on {m['cpu']} ({m['torch_threads']} threads), {prompt}, {report['date']}", fontsize=9)

@@ -45,7 +45,7 @@ def generate(
     dry_allowed_length: Optional[str] = Opt(None, metavar="N", help="Repeats this long pass unpunished (default 3)."),
     dry_window: Optional[str] = Opt(None, metavar="N", help="Tokens it looks back; 0 = the whole text (default)."),
     dry_breakers: Optional[str] = Opt(None, metavar="LIST", help="Strings a repeat never runs across, comma-separated (default \\n); none = no breakers."),
-    stop_on_loop: Optional[str] = Opt(None, metavar="N", help="End the run (exit 3) when a verbatim repeat reaches N tokens; 0 = off (default)."),
+    stop_on_loop: Optional[str] = Opt(None, metavar="N", help="End the run when the text repeats its last N tokens (>= 16) verbatim: checkpoint, exit status 3; 0 = off (default)."),
     stop_at_eos: Optional[bool] = Opt(None, "--stop-at-eos", help="Stop at end-of-text instead of writing --tokens."),
     chunk: Optional[str] = Opt(None, metavar="N", help="Tokens between checkpoints (default 256)."),
     draft: Optional[str] = Opt(None, metavar="NAME", help="none | recycling | ngram | heads | all (default all)."),
@@ -63,7 +63,11 @@ def generate(
     no_live: bool = Opt(False, "--no-live", help="Plain progress lines instead of the live panel."),
     stats_json: Optional[Path] = Opt(None, metavar="FILE", help="Write the final statistics as JSON."),
 ):
-    """Write a document from a prompt, checkpointing into a run directory."""
+    """Write a document from a prompt, checkpointing into a run directory.
+
+    Exit status: 0 written, 1 error, 2 bad usage, 3 stopped at a loop (--stop-on-loop), 130 / 143 interrupted;
+    after 3 or 130 / 143, `swiftwrite resume RUN_DIR` continues.
+    """
     from . import config as config_mod
     from .writer import generate as run
 

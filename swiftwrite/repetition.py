@@ -266,6 +266,7 @@ def dry_reference(history: list[int], s: DrySettings, vocab: int) -> np.ndarray:
 # -- the loop alarm ---------------------------------------------------------------------------------------
 
 LOOP_FLOOR = 16  # shortest repeat the alarm tracks: below it a match is an ordinary phrase (config.MIN_LOOP)
+LOOP_WARN = 256  # a repeat this long is a loop, not a quotation: the writer warns once per loop
 
 
 class LoopWatch:

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
-from rich.progress import BarColumn, Progress as Bar, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress as Bar, TextColumn
 from rich.table import Table
 from rich.text import Text
+
+from .repetition import LOOP_WARN
 
 
 @dataclass
@@ -34,6 +36,25 @@ class Progress:
     checkpoints: int = 0
     last_checkpoint: float = 0.0  # time.time() of the last one
     tail: str = ""  # the latest text
+    distinct_4: float | None = None  # Distinct-4 of the last QUALITY_WINDOW tokens; None until first measured
+    repeat: int = 0  # the longest verbatim repeat the text is in now (repetition.LoopWatch), 0 = none
+
+
+QUALITY_WINDOW = 2000  # tokens the live Distinct-4 looks back: recent enough to show a loop as it starts
+
+
+def eta(left: int, rate: float) -> str:
+    """Time to write `left` tokens at `rate` tokens/s, as h:mm:ss; -:--:-- while no rate is known."""
+    if left <= 0:
+        return "0:00:00"
+    if rate <= 0:
+        return "-:--:--"
+    s = round(left / rate)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def _d4(p: Progress) -> str:
+    return "-" if p.distinct_4 is None else f"{p.distinct_4:.3f}"
 
 
 def human_bytes(n: float) -> str:
@@ -69,6 +90,10 @@ class Display:
     def info(self, msg: str) -> None:
         if self.mode == "quiet":
             return
+        self.alert(msg)
+
+    def alert(self, msg: str) -> None:
+        """A line the user must see, even with --quiet (a loop, a stop): above the live panel if there is one."""
         if self.mode == "live":
             self.console.print(msg, markup=False)
         else:
@@ -102,6 +127,7 @@ class Display:
                 self._last = now
                 tpf = p.tokens_this_process / p.forwards if p.forwards else 0.0
                 print(f"[swiftwrite] {p.done}/{p.target} tokens  {avg:.1f} tok/s  {tpf:.2f} tok/forward  "
+                      f"left {eta(p.target - p.done, recent)}  D-4 {_d4(p)}  repeat {p.repeat}  "
                       f"checkpoints {p.checkpoints}  rss {human_bytes(p.rss_bytes)}", file=sys.stderr, flush=True)
             return
         if self._live is not None and (force or now - self._last >= 0.25):
@@ -109,7 +135,9 @@ class Display:
             self._live.update(self._render(p, recent, avg))
 
     def _render(self, p: Progress, recent: float, avg: float):
-        bar = Bar(TextColumn("writing"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeRemainingColumn())
+        # rich's TimeRemainingColumn needs the task's own timing; the recent rate is the better estimate anyway
+        bar = Bar(TextColumn("writing"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TextColumn(f"{eta(p.target - p.done, recent)} left"))
         bar.add_task("w", total=p.target, completed=p.done)
         t = Table.grid(padding=(0, 2))
         t.add_column(style="bold")
@@ -120,6 +148,10 @@ class Display:
         if p.per_source and p.forwards:
             t.add_row("per source", "  ".join(f"{k} {v / p.forwards:.2f}" for k, v in p.per_source.items()))
         t.add_row("elapsed", f"{p.seconds:.0f} s")
+        looping = p.repeat >= LOOP_WARN
+        t.add_row("text", Text(f"Distinct-4 {_d4(p)} (last {QUALITY_WINDOW:,} tokens), verbatim repeat "
+                               f"{p.repeat} tokens" + ("  LOOPING" if looping else ""),
+                               style="bold red" if looping else ""))
         t.add_row("memory", f"KV cache {human_bytes(p.kv_bytes)}, process {human_bytes(p.rss_bytes)}")
         ago = f", last {time.time() - p.last_checkpoint:.0f} s ago" if p.checkpoints else ""
         t.add_row("checkpoints", f"{p.checkpoints}{ago}")
@@ -136,6 +168,12 @@ class Display:
                 t.add_row(key, f"{v:.2f}" if isinstance(v, float) else str(v))
         for name, s in stats.get("per_source", {}).items():
             t.add_row(f"accepted from {name}", f"{s['accepted_tokens']} ({s['tokens_per_forward']:.2f}/forward)")
+        if "distinct" in stats:
+            t.add_row("Distinct-1..4", " / ".join(f"{v:.3f}" for v in stats["distinct"].values()))
+        if "longest_repeat" in stats:
+            t.add_row("longest repeat", f"{stats['longest_repeat']} tokens")
+        if stats.get("stopped"):
+            t.add_row("stopped", str(stats["stopped"]))
         t.add_row("peak memory", human_bytes(stats.get("peak_rss_bytes", 0)))
         if self.mode == "live":
             self.console.print(t)

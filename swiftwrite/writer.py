@@ -30,10 +30,12 @@ from .config import Config
 from .devices import pick_device
 from .errors import UsageError, UserError
 from .loading import Loaded, build_engine, fit_budget, load_weights, make_window, open_model
+from .metrics import distinct, distinct_n, longest_repeat
 from .prompt import TextStream, apply_template, prompt_ids, read_prompt
+from .repetition import LOOP_WARN, LoopWatch
 from .rundir import RunDir
 from .store import resolve
-from .ui import Display, Progress, dtype_name
+from .ui import QUALITY_WINDOW, Display, Progress, dtype_name
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -157,12 +159,30 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
     tail = ""
     checkpoints = 0
     last_cp = 0.0
+    # The loop alarm reads the output only (a prompt may quote itself) and is a pure function of it, so a
+    # resumed run rebuilds it from the tokens instead of storing it.
+    watch = LoopWatch(rd.tokens)
+    repeat = watch.current
+    warned = False  # this loop was reported; a resumed run inside one reports it again, once
+    # --stop-on-loop stops when a repeat reaches N in this process: a run resumed from such a stop is already
+    # past N and would stop again after one step, so its loop must end (drop under the floor) first
+    armed = repeat < cfg.stop_on_loop
+    stopped = None  # why the run ended early: "loop", "signal"
+    d4, d4_at = None, 0.0
     t0 = time.perf_counter()
 
+    def recent_distinct() -> float | None:
+        nonlocal d4, d4_at
+        recent = rd.tokens[-QUALITY_WINDOW:]
+        d4, d4_at = round(distinct_n(recent, 4), 4) if len(recent) >= 4 else None, time.perf_counter()
+        return d4
+
     def progress() -> Progress:
+        if time.perf_counter() - d4_at >= 0.5:  # a set of 2,000 tuples: twice a second, not every step
+            recent_distinct()
         return Progress(done, target, time.perf_counter() - t0, made, forwards, per_source,
                         str(engine.budget) if engine.budget is not None else ("auto" if engine.sources else ""),
-                        engine.cache.nbytes, _rss(), checkpoints, last_cp, tail)
+                        engine.cache.nbytes, _rss(), checkpoints, last_cp, tail, d4, repeat)
 
     def stats() -> dict:
         secs = time.perf_counter() - t0
@@ -177,6 +197,7 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
             "cost_curve_ms": engine.cost.to_dict() if engine.cost is not None else None,
             "kv_cache_bytes": engine.cache.nbytes, "peak_rss_bytes": _rss(), "model_fingerprint": rd.fingerprint,
             "text_pending_tokens": len(stream.pending), "earlier_processes": history,
+            "longest_current_repeat": repeat, **({"stopped": stopped} if stopped else {}),
         }
 
     def checkpoint(finished: bool = False):
@@ -186,7 +207,8 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
         rd.log_progress({"time": round(last_cp, 3), "pid": os.getpid(), "total_tokens": done, "tokens": made,
                          "seconds": round(time.perf_counter() - t0, 3), "forward_passes": forwards,
                          "accepted": dict(per_source), "drafted": drafted,
-                         "rss_bytes": _rss_now(), "peak_rss_bytes": _rss(), "kv_cache_bytes": engine.cache.nbytes})
+                         "rss_bytes": _rss_now(), "peak_rss_bytes": _rss(), "kv_cache_bytes": engine.cache.nbytes,
+                         f"distinct_4_last_{QUALITY_WINDOW}": recent_distinct(), "longest_current_repeat": repeat})
 
     def emit(text: str):
         try:
@@ -219,12 +241,25 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
                 if text:
                     emit(text)
                     tail = (tail + text)[-400:]
+                repeat = watch.extend(step.tokens)
+                if repeat == 0:  # under the floor: the loop (if any) has ended, the next one is news
+                    warned, armed = False, True
+                elif repeat >= LOOP_WARN and not warned:
+                    warned = True
+                    # Printed even with --quiet, like an interruption: a loop spoils the rest of the document.
+                    display.alert(f"swiftwrite: the text is repeating itself verbatim ({repeat} tokens so far, at "
+                                  f"token {done}); start a new run with a higher --dry-multiplier (now "
+                                  f"{cfg.dry_multiplier:g}), or add --stop-on-loop N to end runs when this happens.")
+                if cfg.stop_on_loop and armed and repeat >= cfg.stop_on_loop and done < target:
+                    stopped = "loop"
+                    break
                 if since >= cfg.chunk and done < target:  # the last chunk is the final checkpoint below
                     checkpoint()
                 display.update(progress())
                 if intr.signum:
                     break
             if intr.signum and done < target:  # a signal on the very last step is simply a finished run
+                stopped = "signal"
                 checkpoint()
                 display.update(progress(), force=True)
                 display.stop()
@@ -233,11 +268,14 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
                 print(f"swiftwrite: interrupted at {done}/{target} tokens; the run is saved. Continue with: "
                       f"{resume_command(rd)}", file=sys.stderr, flush=True)
                 return 128 + intr.signum
-            rest = stream.flush()
-            if rest:
-                rd.append([], rest)
-                emit(rest)
-            checkpoint(finished=True)
+            if stopped == "loop":  # pending text stays pending, as at an interruption: the resume completes it
+                checkpoint()
+            else:
+                rest = stream.flush()
+                if rest:
+                    rd.append([], rest)
+                    emit(rest)
+                checkpoint(finished=True)
             display.update(progress(), force=True)
     finally:
         display.stop()
@@ -246,14 +284,21 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
             out.write("\n")  # the shell prompt on a line of its own; not part of the document
         out.flush()
     except OSError:
-        pass  # the run is complete and checkpointed; emit() reported any earlier failure
-    final = stats()
+        pass  # the run is checkpointed; emit() reported any earlier failure
+    # The whole output's figures (longest_repeat is O(n log n), 0.3 s at 100K tokens): once, not per checkpoint
+    final = {**stats(), "distinct": distinct(rd.tokens), "longest_repeat": longest_repeat(rd.tokens)}
     display.summary(final)
     if stats_json is not None:
         try:
             stats_json.write_text(json.dumps(final, indent=2))
         except OSError as e:
-            raise UserError(f"could not write --stats-json {stats_json} ({e.strerror}); the run itself is complete in {rd.path}.") from None
+            raise UserError(f"could not write --stats-json {stats_json} ({e.strerror}); the run itself is saved in {rd.path}.") from None
+    if stopped == "loop":
+        display.alert(f"swiftwrite: stopped at {done}/{target} tokens because the text repeated its last {repeat} "
+                      f"tokens verbatim (--stop-on-loop {cfg.stop_on_loop}); the run is saved, and "
+                      f"`{resume_command(rd)}` continues it with the same settings, so it will likely keep repeating: "
+                      "for different text start a new run with a higher --dry-multiplier.")
+        return 3
     return 0
 
 

@@ -36,9 +36,12 @@ NUMERIC_BAD = [  # (option, value): every numeric option given a non-number, a n
     ("threads", "abc"), ("threads", "-1"),
     ("seed", "abc"), ("seed", "-1"), ("seed", "1.5"),
     ("draft-kv-budget", "abc"), ("draft-kv-budget", "16"), ("draft-kv-budget", "-1"),  # 16: no room past the sinks
+    ("dry-multiplier", "-1"), ("dry-base", "0.5"), ("dry-allowed-length", "0"), ("dry-window", "-1"),
+    ("stop-on-loop", "8"),  # under the loop tracker's floor of 16
 ]
 NAMES_BAD = [("draft", "everything"), ("template", "poem"), ("device", "tpu"), ("dtype", "int4"), ("head-mode", "sideways"),
-             ("attention", "cuda-magic")]
+             ("attention", "cuda-magic"),
+             ("dry-breakers", ""), ("dry-breakers", "\\n,")]  # an empty breaker: nothing, or after the last comma
 
 # (id, argv, expected exit status, stdin). {placeholders} are paths from the `world` fixture; {run} is a fresh
 # path per case that must not exist afterwards. Every generate gets --draft none and a tiny --tokens.
@@ -55,6 +58,9 @@ CASES = [
     ("unknown-command", ["write", "{prompt}"], 2, None),
     ("env-wrong-type", [*GEN[:-2], "SWIFTWRITE_TEMPERATURE=hot"], 2, None),
     ("env-out-of-range", [*GEN[:-2], "SWIFTWRITE_TOP_P=7"], 2, None),
+    ("env-dry-base-below-1", [*GEN, "SWIFTWRITE_DRY_BASE=0.5"], 2, None),
+    ("env-stop-on-loop-under-16", [*GEN, "SWIFTWRITE_STOP_ON_LOOP=8"], 2, None),
+    ("env-dry-breakers-empty-one", [*GEN, "SWIFTWRITE_DRY_BREAKERS=\\n,"], 2, None),
     # prompts
     ("prompt-missing", [*GEN[:1], "{tmp}/no-such-prompt.txt", *GEN[2:]], 1, None),
     ("prompt-empty", [*GEN[:1], "{empty}", *GEN[2:]], 1, None),
@@ -71,6 +77,9 @@ CASES = [
     ("yaml-wrong-type", [*GEN, "--config", "{yaml_wrong_type}"], 2, None),
     ("yaml-unknown-key", [*GEN, "--config", "{yaml_unknown}"], 2, None),
     ("yaml-out-of-range", [*GEN, "--config", "{yaml_range}"], 2, None),
+    ("yaml-dry-multiplier-negative", [*GEN, "--config", "{yaml_dry}"], 2, None),
+    ("yaml-stop-on-loop-under-16", [*GEN, "--config", "{yaml_loop}"], 2, None),
+    ("yaml-dry-breakers-empty-one", [*GEN, "--config", "{yaml_breakers}"], 2, None),
     ("yaml-missing-file", [*GEN, "--config", "{tmp}/absent.yaml"], 2, None),
     ("yaml-directory", [*GEN, "--config", "{tmp}"], 2, None),
     # models
@@ -151,6 +160,9 @@ def world(tmp_path_factory, default_model_dir) -> dict[str, Path]:
     file("yaml_wrong_type.yaml", b"tokens: many\n")
     file("yaml_unknown.yaml", b"tokens: 4\nspeed: fast\n")
     file("yaml_range.yaml", b"top_p: 3\n")
+    file("yaml_dry.yaml", b"dry_multiplier: -1\n")
+    file("yaml_loop.yaml", b"stop_on_loop: 8\n")
+    file("yaml_breakers.yaml", b"dry_breakers: '\\n,'\n")
     file("gguf.gguf", b"GGUF" + os.urandom(4096))
 
     def model_dir(name, files: dict[str, bytes]) -> Path:

@@ -182,6 +182,27 @@ def test_stats_json_has_the_promised_keys(greedy_ref, work):
     # "all" = recycling + ngram, plus the shipped heads when they match the model (they do for the default model)
     assert set(stats["per_source"]) == {"recycling", "ngram", "heads"}
     assert stats["peak_rss_bytes"] > 0 and stats["seconds"] > 0
+    # text quality beside the speed: the figures of the tokens on disk, and no loop in a short healthy run
+    from swiftwrite.metrics import distinct, longest_repeat
+
+    toks = read_tokens(greedy_ref.dir)
+    assert stats["distinct"] == distinct(toks) and set(stats["distinct"]) == {f"distinct_{n}" for n in range(1, 5)}
+    assert 0.5 < stats["distinct"]["distinct_4"] <= 1.0
+    assert stats["longest_repeat"] == longest_repeat(toks) < 16 and stats["longest_current_repeat"] == 0
+    assert "stopped" not in stats and "repeating itself" not in greedy_ref.stderr
+
+
+def test_progress_log_records_the_recent_distinct_4_and_the_current_repeat(greedy_ref):
+    from swiftwrite.metrics import distinct_n
+    from swiftwrite.repetition import LoopWatch
+
+    toks = read_tokens(greedy_ref.dir)
+    records = [json.loads(line) for line in (greedy_ref.dir / "progress.jsonl").read_text().splitlines()]
+    assert len(records) >= 2 and records[-1]["total_tokens"] == T
+    for r in records:
+        upto = toks[: r["total_tokens"]]
+        assert r["distinct_4_last_2000"] == round(distinct_n(upto[-2000:], 4), 4)
+        assert r["longest_current_repeat"] == LoopWatch(upto).current
 
 
 def test_no_color_is_honoured_on_a_terminal(work, prompt, sampled_ref):
