@@ -8,7 +8,8 @@ directory, then report it per segment, and measure plain decoding against specul
    user would. Rerunning the script on an existing --run resumes it (or only reports, if it is finished).
 2. Per segment of --segment tokens, from the run's progress.jsonl (one line per checkpoint, written by the
    writer) and tokens.bin: seconds, tokens/s, tokens per forward pass, resident memory (current, at each
-   checkpoint: it must stay flat once the cache is allocated), Distinct-1..4 of the segment's tokens.
+   checkpoint: it must stay flat once the cache is allocated), Distinct-1..4 and the longest verbatim repeat
+   of the segment's tokens (and of the whole text).
 3. Side by side, in this process, on the run's own history at --probe positions: --probe-tokens tokens with
    `--draft none` and with `--draft all`, each checked token for token against what the run wrote. Their
    ratio, measured in one process at the same context, is what estimates plain decoding's total time.
@@ -28,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from swiftwrite.metrics import distinct, first_divergence  # noqa: E402
+from swiftwrite.metrics import distinct, first_divergence, longest_repeat  # noqa: E402
 from swiftwrite.rundir import PROGRESS, RunDir  # noqa: E402
 
 
@@ -105,8 +106,15 @@ def segments(run: Path, size: int) -> list[dict]:
                     "rss_mib_min": round(min(s["rss"] for s in part) / 2**20) if part else None,
                     "rss_mib_max": round(max(s["rss"] for s in part) / 2**20) if part else None,
                     "kv_cache_mib": round(part[-1]["kv"] / 2**20, 1) if part else None,
-                    **distinct(toks[a:b])})
+                    "longest_repeat": longest_repeat(toks[a:b]), **distinct(toks[a:b])})
     return out
+
+
+def whole_text(run: Path) -> dict:
+    """Quality of the whole document: the longest stretch written twice anywhere in it, Distinct-1..4."""
+    with RunDir.open(run) as rd:
+        toks = list(rd.tokens)
+    return {"longest_repeat": longest_repeat(toks), **distinct(toks)}
 
 
 def probe(run: Path, at: list[int], n: int) -> list[dict]:
@@ -204,7 +212,7 @@ def main():
         "tokens": a.tokens, "generate_options": a.extra, "processes": procs,
         "total_generation_seconds": round(total_s, 1),
         "tokens_per_second": round(sum(s["tokens"] for s in segs) / total_s, 2) if total_s else None,
-        "segments": segs, "probes": probes,
+        "whole_text": whole_text(a.run), "segments": segs, "probes": probes,
         "plain_estimate_seconds": (round(total_s * sum(p["speedup"] for p in probes) / len(probes), 1) if probes else None),
         "plain_estimate_note": "total speculative time x the mean speedup measured side by side at the probe positions",
     }

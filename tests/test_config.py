@@ -79,6 +79,23 @@ def test_a_saved_run_configuration_is_the_base_below_yaml(tmp_path):
     assert (cfg.tokens, cfg.seed) == (33, 4)
 
 
+def test_a_run_saved_before_an_option_existed_resumes_as_it_started():
+    """A run directory written before n-gram suppression existed has no dry_* keys: resuming it must not
+    switch the suppression on halfway (the text would no longer be what the run was writing)."""
+    base = {k: v for k, v in Config(tokens=33).to_dict().items() if not k.startswith("dry_") and k != "stop_on_loop"}
+    cfg = resolve(None, NO_FLAGS, environ={}, base=base)
+    assert cfg.dry_multiplier == 0 and cfg.stop_on_loop == 0
+    assert resolve(None, NO_FLAGS, environ={}, base=Config(tokens=33).to_dict()).dry_multiplier == Config().dry_multiplier
+
+
+def test_breakers_are_comma_separated_strings_with_escapes():
+    from swiftwrite.config import breaker_strings
+
+    assert breaker_strings("\\n") == ["\n"]
+    assert breaker_strings("\\n,:,\\,,\\\\") == ["\n", ":", ",", "\\"]
+    assert breaker_strings("none") == []
+
+
 # ---------------------------------------------------------------------------------------------------------
 # bad values: one sentence naming where the value came from
 
@@ -125,6 +142,8 @@ def test_missing_or_directory_or_binary_yaml_is_a_usage_error(tmp_path):
     ("budget", "0"), ("budget", "abc"), ("budget", "-3"), ("context", -1), ("threads", -1), ("threads", 10**6),
     ("seed", -1), ("seed", 1 << 32),
     ("draft", "everything"), ("template", "poem"), ("device", "tpu"), ("dtype", "int4"),
+    ("dry_multiplier", -0.5), ("dry_base", 0.9), ("dry_allowed_length", 0), ("dry_window", -1),
+    ("dry_breakers", "\\n,,:"), ("stop_on_loop", 15), ("stop_on_loop", -1),
 ])
 def test_out_of_range_values_are_refused_from_every_source(tmp_path, field, value):
     sources = {
