@@ -11,6 +11,7 @@ import torch
 from swiftwrite.repetition import Dry, DrySettings, Repeats, dry_reference
 from swiftwrite.sampling import Sampler, SamplerSettings, parent_of
 from swiftwrite.tree import DraftTree
+from test_sampling import node_text
 
 
 def amounts(history, s: DrySettings, vocab: int) -> np.ndarray:
@@ -76,15 +77,10 @@ def test_every_tree_node_gets_what_plain_decoding_would(seed):
     flat = tree.select(len(tree) - 1, 10)
     sampler = Sampler(SamplerSettings(dry=s), vocab)
     got = -sampler.process(torch.zeros(len(flat.tokens), vocab), torch.tensor(history), flat.tokens, flat.depth, flat.anc)
-    tokens, parent = flat.tokens.tolist(), flat.parent.tolist()
-    for k in range(len(tokens)):
-        path, j = [], k
-        while j > 0:
-            path.append(tokens[j])
-            j = parent[j]
-        text = history + path[::-1]
+    for k in range(flat.tokens.shape[0]):
+        text = node_text(history, flat, k)
         np.testing.assert_allclose(got[k].double().numpy(), dry_reference(text, s, vocab), rtol=1e-6, atol=0)
-    assert parent_of(flat.anc, flat.depth).tolist() == parent
+    assert parent_of(flat.anc, flat.depth).tolist() == flat.parent.tolist()
 
 
 def test_the_index_is_a_pure_function_of_the_history():

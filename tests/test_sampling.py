@@ -34,17 +34,22 @@ def random_tree(rng: random.Random, vocab: int, n_nodes: int, max_depth: int):
     return tree.select(len(tree), max_depth)
 
 
-def brute_presence(history: list[int], flat, window: int, vocab: int) -> torch.Tensor:
-    """Each node's window built explicitly: the last `window` tokens of history + the node's ancestors (depth
-    1 up to itself)."""
+def node_text(history: list[int], flat, i: int) -> list[int]:
+    """What plain decoding would have written before node i's choice: the history, then the node's ancestors
+    from depth 1 down to itself."""
     tokens, parents = flat.tokens.tolist(), flat.parent.tolist()
-    out = torch.zeros(len(tokens), vocab, dtype=torch.bool)
-    for i in range(len(tokens)):
-        chain, j = [], i
-        while j > 0:
-            chain.append(tokens[j])
-            j = parents[j]
-        seq = history + chain[::-1]
+    chain = []
+    while i > 0:
+        chain.append(tokens[i])
+        i = parents[i]
+    return history + chain[::-1]
+
+
+def brute_presence(history: list[int], flat, window: int, vocab: int) -> torch.Tensor:
+    """Each node's window built explicitly: the last `window` tokens of its text."""
+    out = torch.zeros(flat.tokens.shape[0], vocab, dtype=torch.bool)
+    for i in range(flat.tokens.shape[0]):
+        seq = node_text(history, flat, i)
         for t in seq[-window:] if window > 0 else []:
             out[i, t] = True
     return out
