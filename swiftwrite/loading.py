@@ -8,6 +8,7 @@ check fails before seconds of imports and loading (see writer.py).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -197,14 +198,18 @@ def dry_settings(cfg: Config, tok, vocab: int) -> "DrySettings":
     from .config import breaker_strings
     from .repetition import DrySettings
 
-    strings = breaker_strings(cfg.dry_breakers)
-    ids: tuple[int, ...] = ()
-    if strings and tok is not None and cfg.dry_multiplier > 0:
-        n = min(vocab, len(tok))
-        texts = tok.batch_decode([[i] for i in range(n)])
-        ids = tuple(i for i, t in enumerate(texts) if any(b in t for b in strings))
+    strings = tuple(breaker_strings(cfg.dry_breakers))
+    ids = _breaker_ids(tok, strings, vocab) if strings and tok is not None and cfg.dry_multiplier > 0 else ()
     return DrySettings(multiplier=cfg.dry_multiplier, base=cfg.dry_base, allowed_length=cfg.dry_allowed_length,
                        window=cfg.dry_window, breakers=ids)
+
+
+@functools.lru_cache(maxsize=4)
+def _breaker_ids(tok, strings: tuple[str, ...], vocab: int) -> tuple[int, ...]:
+    """Decoding the whole vocabulary takes ~0.4 s: once per tokenizer, not once per engine (bench and the long-run
+    probe build one engine per method)."""
+    texts = tok.batch_decode([[i] for i in range(min(vocab, len(tok)))])
+    return tuple(i for i, t in enumerate(texts) if any(b in t for b in strings))
 
 
 def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, display: Display) -> "Engine":
