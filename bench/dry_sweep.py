@@ -14,7 +14,8 @@ salad: 0.85-1.0; a template loop: under 0.3), seconds, and where the text first 
 mode and seed (how much the setting changes what would have been written).
 
 A config name is a list of settings joined by '-': mM (dry multiplier, m0 = off), bB (base), aA (allowed
-length), wW (DRY window, 0 = whole text), pP (penalty theta), qQ (penalty window), tT (temperature).
+length), wW (DRY window, 0 = whole text), pP (penalty theta), qQ (penalty window), tT (temperature),
+nN (min-p).
 `off` = DRY off with the
 default penalty (the old defaults); `default` = every default of this version.
 """
@@ -35,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from swiftwrite.metrics import distinct, distinct_n, first_divergence, longest_repeat  # noqa: E402
 
 KEYS = {"m": "--dry-multiplier", "b": "--dry-base", "a": "--dry-allowed-length", "w": "--dry-window",
-        "p": "--penalty", "q": "--penalty-window", "t": "--temperature"}
+        "p": "--penalty", "q": "--penalty-window", "t": "--temperature", "n": "--min-p"}
 PROMPTS = {"novel": ("lighthouse.txt", "novel"), "report": ("grid.txt", "report")}
 MODES = {"sample": [], "greedy": ["--temperature", "0"]}
 
@@ -48,7 +49,7 @@ def flags(config: str) -> list[str]:
     out = []
     for part in config.split("-"):
         if not part or part[0] not in KEYS:
-            sys.exit(f"dry_sweep: cannot read '{part}' in config '{config}' (use m, b, a, w, p, q)")
+            sys.exit(f"dry_sweep: cannot read '{part}' in config '{config}' (use m, b, a, w, p, q, t, n)")
         out += [KEYS[part[0]], part[1:]]
     return out
 
