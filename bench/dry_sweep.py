@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from swiftwrite.metrics import distinct, distinct_n, first_divergence, longest_repeat  # noqa: E402
+from swiftwrite.metrics import distinct, distinct_per_window, first_divergence, longest_repeat  # noqa: E402
 
 KEYS = {"m": "--dry-multiplier", "b": "--dry-base", "a": "--dry-allowed-length", "w": "--dry-window",
         "p": "--penalty", "q": "--penalty-window", "t": "--temperature", "n": "--min-p"}
@@ -79,7 +79,7 @@ def one(job: dict, a) -> dict:
     # Distinct-1 over 500-token windows: this model's prose reads 0.55-0.7; word salad (lists of words without
     # sentences, emoji strings) reads 0.85-1.0 and a template loop ("The light was going to be X.") under 0.3,
     # two failures Distinct-4 and the longest verbatim repeat both miss.
-    d1 = [round(distinct_n(toks[lo : lo + 500], 1), 3) for lo in range(0, len(toks) - 499, 500)]
+    d1 = distinct_per_window(toks, 500)
     print(f"{run.name}: {len(toks)} tokens, longest repeat {longest_repeat(toks)}, D-1/500 {d1}, "
           f"min segment Distinct-4 {min(s['distinct_4'] for s in segs)}", file=sys.stderr, flush=True)
     return {**job, "run": str(run), "tokens": len(toks), "longest_repeat": longest_repeat(toks), **distinct(toks),

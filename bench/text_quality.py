@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from swiftwrite.metrics import distinct, distinct_n, longest_repeat  # noqa: E402
+from swiftwrite.metrics import distinct, distinct_per_window, longest_repeat  # noqa: E402
 from swiftwrite.rundir import RunDir  # noqa: E402
 
 WINDOW = 500
@@ -30,7 +30,7 @@ WINDOW = 500
 def quality(run: Path, segment: int) -> dict:
     with RunDir.open(run) as rd:
         toks, config = list(rd.tokens), dict(rd.config)
-    d1 = [round(distinct_n(toks[a : a + WINDOW], 1), 3) for a in range(0, len(toks) - WINDOW + 1, WINDOW)]
+    d1 = distinct_per_window(toks, WINDOW)
     segs = [{"from": a, "to": min(a + segment, len(toks)), "longest_repeat": longest_repeat(toks[a : a + segment]),
              **distinct(toks[a : a + segment])} for a in range(0, len(toks), segment)]
     keys = ("temperature", "min_p", "penalty", "penalty_window", "dry_multiplier", "dry_base", "dry_allowed_length",

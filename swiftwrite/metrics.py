@@ -17,6 +17,13 @@ def distinct(tokens: Sequence[int], upto: int = 4) -> dict[str, float]:
     return {f"distinct_{n}": round(distinct_n(tokens, n), 4) for n in range(1, upto + 1)}
 
 
+def distinct_per_window(tokens: Sequence[int], window: int = 500) -> list[float]:
+    """Distinct-1 of each whole `window`-token stretch, in order. Where Distinct-4 and the longest repeat miss
+    the two ways a small model's long text fails (word salad reads near 1, a template loop near 0.1-0.3),
+    this shows both, as a curve along the text."""
+    return [round(distinct_n(tokens[lo : lo + window], 1), 3) for lo in range(0, len(tokens) - window + 1, window)]
+
+
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first position where the sequences differ (a length mismatch counts), or None."""
     for i, (x, y) in enumerate(zip(a, b)):

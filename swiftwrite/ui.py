@@ -38,9 +38,14 @@ class Progress:
     tail: str = ""  # the latest text
     distinct_4: float | None = None  # Distinct-4 of the last QUALITY_WINDOW tokens; None until first measured
     repeat: int = 0  # the longest verbatim repeat the text is in now (repetition.LoopWatch), 0 = none
+    distinct_1: float | None = None  # Distinct-1 of the last WORDS_WINDOW tokens; None until measured
 
 
 QUALITY_WINDOW = 2000  # tokens the live Distinct-4 looks back: recent enough to show a loop as it starts
+# Distinct-1 over the last 500 tokens shows the two failures Distinct-4 and the repeat miss: word salad (lists
+# of words, glued words: 0.85-1.0 on the default model) and a template loop (one sentence with a word swapped:
+# under 0.3); its prose reads 0.55-0.7 (README "Long texts"). Model-dependent, so shown, never acted on.
+WORDS_WINDOW = 500
 
 
 def eta(left: int, rate: float) -> str:
@@ -55,6 +60,10 @@ def eta(left: int, rate: float) -> str:
 
 def _d4(p: Progress) -> str:
     return "-" if p.distinct_4 is None else f"{p.distinct_4:.3f}"
+
+
+def _d1(p: Progress) -> str:
+    return "-" if p.distinct_1 is None else f"{p.distinct_1:.2f}"
 
 
 def human_bytes(n: float) -> str:
@@ -127,7 +136,7 @@ class Display:
                 self._last = now
                 tpf = p.tokens_this_process / p.forwards if p.forwards else 0.0
                 print(f"[swiftwrite] {p.done}/{p.target} tokens  {avg:.1f} tok/s  {tpf:.2f} tok/forward  "
-                      f"left {eta(p.target - p.done, recent)}  D-4 {_d4(p)}  repeat {p.repeat}  "
+                      f"left {eta(p.target - p.done, recent)}  D-4 {_d4(p)}  D-1/{WORDS_WINDOW} {_d1(p)}  repeat {p.repeat}  "
                       f"checkpoints {p.checkpoints}  rss {human_bytes(p.rss_bytes)}", file=sys.stderr, flush=True)
             return
         if self._live is not None and (force or now - self._last >= 0.25):
@@ -149,8 +158,8 @@ class Display:
             t.add_row("per source", "  ".join(f"{k} {v / p.forwards:.2f}" for k, v in p.per_source.items()))
         t.add_row("elapsed", f"{p.seconds:.0f} s")
         looping = p.repeat >= LOOP_WARN
-        t.add_row("text", Text(f"Distinct-4 {_d4(p)} (last {QUALITY_WINDOW:,} tokens), verbatim repeat "
-                               f"{p.repeat} tokens" + ("  LOOPING" if looping else ""),
+        t.add_row("text", Text(f"Distinct-4 {_d4(p)} (last {QUALITY_WINDOW:,} tokens), Distinct-1 {_d1(p)} (last "
+                               f"{WORDS_WINDOW}), verbatim repeat {p.repeat} tokens" + ("  LOOPING" if looping else ""),
                                style="bold red" if looping else ""))
         t.add_row("memory", f"KV cache {human_bytes(p.kv_bytes)}, process {human_bytes(p.rss_bytes)}")
         ago = f", last {time.time() - p.last_checkpoint:.0f} s ago" if p.checkpoints else ""

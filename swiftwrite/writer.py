@@ -30,12 +30,12 @@ from .config import Config
 from .devices import pick_device
 from .errors import UsageError, UserError
 from .loading import Loaded, build_engine, fit_budget, load_weights, make_window, open_model
-from .metrics import distinct, distinct_n, longest_repeat
+from .metrics import distinct, distinct_n, distinct_per_window, longest_repeat
 from .prompt import TextStream, apply_template, prompt_ids, read_prompt
 from .repetition import LOOP_WARN, LoopWatch
 from .rundir import RunDir
 from .store import resolve
-from .ui import QUALITY_WINDOW, Display, Progress, dtype_name
+from .ui import QUALITY_WINDOW, WORDS_WINDOW, Display, Progress, dtype_name
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -168,13 +168,14 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
     # past N and would stop again after one step, so its loop must end (drop under the floor) first
     armed = repeat < cfg.stop_on_loop
     stopped = None  # why the run ended early: "loop", "signal"
-    d4, d4_at = None, 0.0
+    d4, d1, d4_at = None, None, 0.0
     t0 = time.perf_counter()
 
     def recent_distinct() -> float | None:
-        nonlocal d4, d4_at
+        nonlocal d4, d1, d4_at
         recent = rd.tokens[-QUALITY_WINDOW:]
         d4, d4_at = round(distinct_n(recent, 4), 4) if len(recent) >= 4 else None, time.perf_counter()
+        d1 = round(distinct_n(recent[-WORDS_WINDOW:], 1), 3) if len(recent) >= WORDS_WINDOW else None
         return d4
 
     def progress() -> Progress:
@@ -182,7 +183,7 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
             recent_distinct()
         return Progress(done, target, time.perf_counter() - t0, made, forwards, per_source,
                         str(engine.budget) if engine.budget is not None else ("auto" if engine.sources else ""),
-                        engine.cache.nbytes, _rss(), checkpoints, last_cp, tail, d4, repeat)
+                        engine.cache.nbytes, _rss(), checkpoints, last_cp, tail, d4, repeat, d1)
 
     def stats() -> dict:
         secs = time.perf_counter() - t0
@@ -208,7 +209,8 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
                          "seconds": round(time.perf_counter() - t0, 3), "forward_passes": forwards,
                          "accepted": dict(per_source), "drafted": drafted,
                          "rss_bytes": _rss_now(), "peak_rss_bytes": _rss(), "kv_cache_bytes": engine.cache.nbytes,
-                         f"distinct_4_last_{QUALITY_WINDOW}": recent_distinct(), "longest_current_repeat": repeat})
+                         f"distinct_4_last_{QUALITY_WINDOW}": recent_distinct(), f"distinct_1_last_{WORDS_WINDOW}": d1,
+                         "longest_current_repeat": repeat})
 
     def emit(text: str):
         try:
@@ -286,7 +288,8 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
     except OSError:
         pass  # the run is checkpointed; emit() reported any earlier failure
     # The whole output's figures (longest_repeat is O(n log n), 0.3 s at 100K tokens): once, not per checkpoint
-    final = {**stats(), "distinct": distinct(rd.tokens), "longest_repeat": longest_repeat(rd.tokens)}
+    final = {**stats(), "distinct": distinct(rd.tokens), "longest_repeat": longest_repeat(rd.tokens),
+             f"distinct_1_per_{WORDS_WINDOW}": distinct_per_window(rd.tokens, WORDS_WINDOW)}
     display.summary(final)
     if stats_json is not None:
         try:

@@ -183,16 +183,17 @@ def test_stats_json_has_the_promised_keys(greedy_ref, work):
     assert set(stats["per_source"]) == {"recycling", "ngram", "heads"}
     assert stats["peak_rss_bytes"] > 0 and stats["seconds"] > 0
     # text quality beside the speed: the figures of the tokens on disk, and no loop in a short healthy run
-    from swiftwrite.metrics import distinct, longest_repeat
+    from swiftwrite.metrics import distinct, distinct_per_window, longest_repeat
 
     toks = read_tokens(greedy_ref.dir)
+    assert stats["distinct_1_per_500"] == distinct_per_window(toks, 500) and len(stats["distinct_1_per_500"]) == T // 500
     assert stats["distinct"] == distinct(toks) and set(stats["distinct"]) == {f"distinct_{n}" for n in range(1, 5)}
     assert 0.5 < stats["distinct"]["distinct_4"] <= 1.0
     assert stats["longest_repeat"] == longest_repeat(toks) < 16 and stats["longest_current_repeat"] == 0
     assert "stopped" not in stats and "repeating itself" not in greedy_ref.stderr
 
 
-def test_progress_log_records_the_recent_distinct_4_and_the_current_repeat(greedy_ref):
+def test_progress_log_records_the_recent_distinct_4_distinct_1_and_the_current_repeat(greedy_ref):
     from swiftwrite.metrics import distinct_n
     from swiftwrite.repetition import LoopWatch
 
@@ -202,6 +203,7 @@ def test_progress_log_records_the_recent_distinct_4_and_the_current_repeat(greed
     for r in records:
         upto = toks[: r["total_tokens"]]
         assert r["distinct_4_last_2000"] == round(distinct_n(upto[-2000:], 4), 4)
+        assert r["distinct_1_last_500"] == (round(distinct_n(upto[-500:], 1), 3) if len(upto) >= 500 else None)
         assert r["longest_current_repeat"] == LoopWatch(upto).current
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from swiftwrite.metrics import distinct, distinct_n, first_divergence, median, speedup
+from swiftwrite.metrics import distinct, distinct_n, distinct_per_window, first_divergence, median, speedup
 
 
 def test_distinct_n_counts_unique_ngrams_over_all_ngrams():
@@ -20,6 +20,15 @@ def test_distinct_is_one_for_a_text_without_repeats_and_falls_for_a_loop():
 
 def test_distinct_of_a_text_shorter_than_n_is_zero():
     assert distinct_n([1, 2], 3) == 0.0
+
+
+def test_distinct_per_window_covers_whole_windows_in_order_and_separates_salad_from_a_loop():
+    salad = list(range(1000))  # every token new: word salad's signature
+    loop = [7, 8, 9, 10, 11] * 100  # one short sentence over and over: a template loop's
+    curve = distinct_per_window(salad + loop + [1, 2, 3], 500)
+    assert curve == [1.0, 1.0, round(5 / 500, 3)]  # the 3-token tail is not a whole window
+    assert distinct_per_window(loop[:499], 500) == []
+    assert distinct_per_window(salad, 250) == [1.0] * 4
 
 
 def test_first_divergence_finds_the_first_differing_position():

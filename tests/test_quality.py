@@ -75,6 +75,16 @@ def test_a_loop_is_reported_once_even_with_quiet_at_the_token_it_reached_loop_wa
     assert p.stdout.decode("utf-8") == text_of(d)  # the warning never reaches the text
 
 
+def test_progress_shows_a_loop_as_a_low_distinct_1_over_the_last_500_tokens(looped):
+    from swiftwrite.metrics import distinct_n
+
+    d, _, _ = looped
+    toks = read_tokens(d)
+    last = [json.loads(line) for line in (d / "progress.jsonl").read_text().splitlines()][-1]
+    assert last["total_tokens"] == N and last["distinct_1_last_500"] == round(distinct_n(toks[-500:], 1), 3)
+    assert last["distinct_1_last_500"] < 0.1  # a cycle of at most 40 ids: at most 40 distinct of 500
+
+
 def test_stop_on_loop_checkpoints_exits_3_and_the_resume_writes_the_same_tokens(work, looping_model, looped):
     stats_json = work / "stopped.json"
     d, p, err = run(work, looping_model, "stopped", "--stop-on-loop", 16, "--no-live", "--stats-json", stats_json)
