@@ -550,9 +550,11 @@ def plan_outline(cfg: Config, lm: Loaded, brief: str, display: Display) -> list[
     text = lm.tok.decode(got, skip_special_tokens=True)
     sections, missing = outlines.planned(text, n)
     if missing:
-        display.alert(f"swiftwrite: the model's plan gave {n - missing} usable section titles of {n}; the other "
-                      f"{missing} are called 'Part k'. To name them, run with --plan-only, edit the outline and "
+        how = "edit this outline" if cfg.plan_only else "run with --plan-only, edit the outline"
+        display.alert(f"swiftwrite: the model's plan gave {n - missing} usable (distinct) section titles of {n}; the "
+                      f"other {missing} {'is' if missing == 1 else 'are'} called 'Part k'. To name them, {how} and "
                       "pass it back with --outline.")
-    display.info("outline:\n" + outlines.render(sections).rstrip())
+    if not cfg.plan_only:  # --plan-only prints it as its output
+        display.info("outline:\n" + outlines.render(sections).rstrip())
     del engine
     return sections
