@@ -157,6 +157,7 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
     forwards = 0
     drafted = 0  # draft nodes verified
     made = 0
+    forced = 0  # outline headings among `made`: committed without a forward, so not in tokens per forward
     since = 0
     tail = ""
     checkpoints = 0
@@ -197,7 +198,8 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
         return {
             "tokens": made, "total_tokens": done, "target": target, "seconds": round(secs, 3),
             "tokens_per_second": round(made / secs, 3) if secs > 0 else 0.0,
-            "forward_passes": forwards, "mean_tokens_per_forward": round(made / forwards, 4) if forwards else 0.0,
+            "forward_passes": forwards,
+            "mean_tokens_per_forward": round((made - forced) / forwards, 4) if forwards else 0.0,
             "per_source": {name: {"accepted_tokens": n, "tokens_per_forward": round(n / forwards, 4) if forwards else 0.0,
                                   **(engine.stats.summary(SOURCES.index(name)) if engine.stats else {})}
                            for name, n in per_source.items()},
@@ -207,7 +209,8 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
             "text_pending_tokens": len(stream.pending), "earlier_processes": history,
             "longest_current_repeat": repeat, **({"stopped": stopped} if stopped else {}),
             # where each section's heading starts (output token index): resume checks its replay against it
-            **({"sections": {"count": len(sched.plan.sections), "starts": list(sched.starts)}} if sched else {}),
+            **({"sections": {"count": len(sched.plan.sections), "starts": list(sched.starts)},
+                "forced_tokens": forced} if sched else {}),
         }
 
     def checkpoint(finished: bool = False):
@@ -240,6 +243,7 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
                 outlines.drive(engine, sched, target - done, list(rd.tokens))
             for step in steps:
                 forwards += 0 if step.forced else 1
+                forced += len(step.tokens) if step.forced else 0
                 drafted += step.drafted
                 made += len(step.tokens)
                 done += len(step.tokens)
