@@ -378,6 +378,9 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
     # must not pick another one when memory differs then.
     cfg.dtype = dtype_name(lm.dtype)
     if planning:
+        # the prompt is not known before the plan: check the weights and the document's KV cache against free
+        # memory now, before any weight is read, as make_window does below for runs without planning
+        make_window(cfg, lm, 0, Display("quiet"))  # its notices come once, below
         load_weights(lm)
         sections = plan_outline(cfg, lm, brief, display)
         if cfg.plan_only:
