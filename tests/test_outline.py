@@ -296,3 +296,20 @@ def test_without_an_outline_the_engine_is_unchanged(model):
     s, _ = engine.window.span(engine.n)
     ctx = engine._context_ids().tolist()
     assert ctx == PROMPT + (PROMPT + got)[s : engine.n]
+
+
+def test_the_panel_and_the_progress_line_show_the_section(capsys):
+    from rich.console import Console
+
+    from swiftwrite.ui import Display, Progress
+
+    p = Progress(500, 2000, 10.0, 500, 450, section=(2, 5, "The bottle", 130, 400))
+    d = Display("live")
+    console = Console(record=True, width=120)
+    console.print(d._render(p, 50.0, 50.0))
+    panel = console.export_text()
+    assert "section" in panel and "2 of 5: The bottle   130/400 tokens" in panel
+    Display("plain").update(p, force=True)
+    assert "section 2/5 'The bottle' 130/400" in capsys.readouterr().err
+    Display("plain").update(Progress(500, 2000, 10.0, 500, 450), force=True)
+    assert "section" not in capsys.readouterr().err  # runs without an outline: unchanged
