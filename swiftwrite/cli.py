@@ -59,6 +59,10 @@ def generate(
     attention: Optional[str] = Opt(None, metavar="NAME", help="auto | torch | triton | flash (GPU kernels; default auto)."),
     cuda_graphs: Optional[bool] = Opt(None, "--cuda-graphs", help="Replay verification forwards from CUDA graphs (GPU)."),
     threads: Optional[str] = Opt(None, metavar="N", help="CPU threads; 0 = torch's default."),
+    outline: Optional[str] = Opt(None, metavar="FILE", help="Markdown outline to follow: '## ' headings, notes, {tokens: N} budgets."),
+    plan: Optional[bool] = Opt(None, "--plan", help="Let the model write the outline from the brief first, then the document."),
+    plan_only: Optional[bool] = Opt(None, "--plan-only", help="Write the planned outline and stop (edit it, pass it to --outline)."),
+    sections: Optional[str] = Opt(None, metavar="N", help="--plan: sections to plan (default: one per 2,000 tokens, 3 to 50)."),
     quiet: bool = Opt(False, "--quiet", help="Print nothing but the text."),
     no_live: bool = Opt(False, "--no-live", help="Plain progress lines instead of the live panel."),
     stats_json: Optional[Path] = Opt(None, metavar="FILE", help="Write the final statistics as JSON."),
@@ -77,7 +81,8 @@ def generate(
                  dry_window=dry_window, dry_breakers=dry_breakers, stop_on_loop=stop_on_loop,
                  stop_at_eos=stop_at_eos, chunk=chunk, draft=draft, budget=budget, static_tree=static_tree,
                  head_mode=head_mode, draft_kv_budget=draft_kv_budget, context=context, device=device, dtype=dtype, attention=attention,
-                 cuda_graphs=cuda_graphs, threads=threads)
+                 cuda_graphs=cuda_graphs, threads=threads, outline=outline, plan=plan, plan_only=plan_only,
+                 sections=sections)
     cfg = config_mod.resolve(config, flags)
     raise typer.Exit(run(cfg, prompt, run_dir, out, quiet, no_live, stats_json))
 

@@ -26,6 +26,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # on the CPU; torch: torch everywhere; triton / flash: ask for that kernel (a notice and torch if it can't run)
 ATTENTIONS = ("auto", "torch", "triton", "flash")
 MIN_LOOP = 16  # shortest --stop-on-loop: the loop tracker's floor (repetition.Repeats min_len of the alarm)
+MAX_SECTIONS = 200  # outline.MAX_SECTIONS, repeated so that reading options stays light
 MAX_TOKENS = 10_000_000  # far past any model's usefulness; catches a typo'd extra zero or two
 
 
@@ -73,6 +74,12 @@ class Config:
     # CUDA with the Triton kernel only. Off by default until a GPU run shows it pays (bench/gpu_check.sh)
     cuda_graphs: bool = False
     threads: int = 0  # torch CPU threads; 0 = torch's default
+    # a Markdown outline to follow: '## ' headings, optional notes under them, optional {tokens: N} budgets;
+    # "" = none. Read once at `generate`; the run directory keeps the plan, so `resume` never reads it again
+    outline: str = ""
+    plan: bool = False  # no outline given: the model writes one from the brief first (saved in the run directory)
+    plan_only: bool = False  # write the planned outline (stdout or --out) and stop, to edit and pass to --outline
+    sections: int = 0  # --plan: how many sections; 0 = one per 2,000 tokens of --tokens, 3 to 50
 
     def validate(self, where: dict[str, str] | None = None) -> "Config":
         """Check every range; `where` names the source of each value (e.g. "--top-p") for the message."""
@@ -116,6 +123,11 @@ class Config:
         need(self.attention in ATTENTIONS, "attention", f"must be one of {', '.join(ATTENTIONS)}")
         need(0 <= self.threads <= 1024, "threads", "must be 0 (torch's default) or a number of threads up to 1024")
         need(0 <= self.seed < 1 << 32, "seed", f"must be between 0 and {(1 << 32) - 1}")
+        need(not (self.outline and (self.plan or self.plan_only)), "outline",
+             "cannot be combined with --plan or --plan-only; give an outline file or let the model plan one, not both")
+        need(0 <= self.sections <= MAX_SECTIONS, "sections", f"must be 0 (chosen from --tokens) or 1 to {MAX_SECTIONS}")
+        need(self.sections == 0 or self.plan or self.plan_only, "sections",
+             "only applies with --plan (an outline file says its own sections); add --plan or drop --sections")
         return self
 
     def to_dict(self) -> dict:

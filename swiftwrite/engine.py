@@ -40,6 +40,7 @@ class Step:
     drafted: int  # draft nodes verified
     accepted_sources: list[int] = field(default_factory=list)  # source bitmask per accepted draft token
     rebuilt: bool = False  # the context window was rebuilt before this step
+    forced: bool = False  # committed without sampling (an outline's heading, Engine.force): no forward counted
 
 
 def make_sources(names: list[str], vocab: int, static_tree: bool = False, heads=None) -> tuple[list[DraftSource], AcceptanceStats]:
@@ -100,8 +101,17 @@ class Engine:
         # (and a node several sources proposed keeps the highest), so the raw scores overpromise; on a CPU,
         # where one extra node costs 30% of a step, that turns a small expected gain into a real loss.
         self._real, self._pred = CALIBRATION_PRIOR, CALIBRATION_PRIOR
+        self.pinned = None  # pin_context(): ids kept between the prompt and the recent tokens after a rebuild
+        self.prompt_len = window.prompt
         for src in self.sources:
             src.bind(self)
+
+    def pin_context(self, prompt_len: int, pinned) -> None:
+        """After a rebuild the context becomes S[:prompt_len] + pinned(r) + S[s:n], r the output index where
+        that span's rebuild fell (s + window.recent − prompt_len): a function of the span, not of n, so a resume inside the
+        span rebuilds the context the running engine had. The window must reserve room for the longest pin
+        (window.prompt = prompt_len + its length). An outline pins the current section's heading and notes."""
+        self.prompt_len, self.pinned = prompt_len, pinned
 
     # -- context --------------------------------------------------------------------------------------
 
@@ -127,7 +137,10 @@ class Engine:
         P = self.window.prompt
         if s == P:
             return self.S[: self.n]
-        return torch.cat([self.S[:P], self.S[s : self.n]])
+        if self.pinned is None:
+            return torch.cat([self.S[:P], self.S[s : self.n]])
+        pin = torch.tensor(self.pinned(s + self.window.recent - self.prompt_len), dtype=torch.long)
+        return torch.cat([self.S[: self.prompt_len], pin, self.S[s : self.n]])
 
     def _rebuild(self, seed_sources: bool = False) -> None:
         """Prefill the cache with the current context, all but its last token (the next root)."""
@@ -149,7 +162,9 @@ class Engine:
     # -- one step -------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, remaining: int) -> Step:
+    def step(self, remaining: int, ends: frozenset | None = None) -> Step:
+        """Verify one tree and commit at most `remaining` tokens; with `ends`, stop committing after the first
+        token in it (an outline's section can end there): a plain step would have stopped at that token too."""
         rebuilt = False
         if self.n >= self.span[1]:
             self._rebuild()
@@ -193,6 +208,22 @@ class Engine:
         processed = self.sampler.process(logits, hist_t, flat.tokens, flat.depth, flat.anc, flat.parent)
         choice = self.sampler.choose(processed, (self.n + flat.depth).tolist()).tolist()
         path, bonus = walk(flat, choice)
+        tok_list = flat.tokens.tolist()
+        new = [tok_list[i] for i in path[1:]] + [bonus]
+        new = new[:remaining]
+        if ends:
+            for j, t in enumerate(new):
+                if t in ends:
+                    new = new[: j + 1]
+                    break
+        for j, t in enumerate(new):
+            if t in self.stop_ids:
+                new = new[: j + 1]
+                self.stopped = True
+                break
+        # The cache keeps the root and every committed token but the last (the next root): the accepted path
+        # cut to len(new) when the step was cut short, so the next step starts from exactly what was committed.
+        self.cache.compact(base, torch.tensor(path[: len(new)], device=self.model.device))
         if self.sources:
             if n_nodes > 1:
                 self.stats.update(flat, path)
@@ -204,16 +235,7 @@ class Engine:
             for src in self.sources:
                 src.after_verify(flat, top)
                 if not (resting and src.costly):
-                    src.after_accept(hidden[path[-1]])
-        self.cache.compact(base, torch.tensor(path, device=self.model.device))
-        tok_list = flat.tokens.tolist()
-        new = [tok_list[i] for i in path[1:]] + [bonus]
-        new = new[:remaining]
-        for j, t in enumerate(new):
-            if t in self.stop_ids:
-                new = new[: j + 1]
-                self.stopped = True
-                break
+                    src.after_accept(hidden[path[len(new) - 1]])
         self._ensure_capacity(self.n + len(new))
         self.S[self.n : self.n + len(new)] = torch.tensor(new, dtype=torch.long)
         self.n += len(new)
@@ -223,6 +245,30 @@ class Engine:
                 src.after_commit(hist, len(new))
         accepted_src = [flat.sources[i] for i in path[1 : len(new) + 1]]  # drafts among the committed tokens
         return Step(new, n_nodes, n_nodes - 1, accepted_src, rebuilt)
+
+    @torch.inference_mode()
+    def force(self, ids: list[int]) -> None:
+        """Commit `ids` without sampling (an outline's heading), as prompt tokens are: the sampler's history, the
+        drafters and the loop alarm see them like any committed token, in plain and speculative runs alike. The
+        cache takes the old root and all new ids but the last (the next root); when that reaches the next
+        rebuild, the next step rebuilds the context at the new length instead, as a resume there would."""
+        if not ids:
+            return
+        self._ensure_capacity(self.n + len(ids))
+        old = self.n
+        self.S[old : old + len(ids)] = torch.tensor(ids, dtype=torch.long)
+        self.n += len(ids)
+        if self.n < self.span[1]:
+            body = self.S[old - 1 : self.n - 1]
+            for a in range(0, body.shape[0], PREFILL_CHUNK):
+                chunk = body[a : a + PREFILL_CHUNK].to(self.model.device)
+                pos = torch.arange(self.cache.length, self.cache.length + chunk.shape[0], device=self.model.device)
+                self.model.forward(chunk, pos, self.cache, logits_for=slice(-1, None))
+                self.cache.length += chunk.shape[0]
+        if self.sources:
+            hist = self.S[: self.n].numpy()
+            for src in self.sources:
+                src.after_commit(hist, len(ids))
 
     def _resting(self) -> bool:
         """True while an automatic budget rests at 0: the costly sources (the heads: a few ms of matrix work

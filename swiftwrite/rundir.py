@@ -3,6 +3,8 @@
     config.yaml       resolved configuration             written once, at create
     prompt.txt        the prompt as given                written once
     meta.json         fingerprint, prompt ids, format    written once
+    outline.json      the section plan (--outline/--plan) written once; budgets, heading and pinned ids
+    outline.md        the same outline as Markdown       written once, for people (and --outline again)
     tokens.bin        generated ids, int32 little-endian appended as they come
     output.txt        the decoded text, utf-8            appended as it comes
     drafter-<sha>.bin opaque drafter state (optional)    one per checkpoint; the last two are kept
@@ -40,8 +42,10 @@ import yaml
 
 from .errors import UserError
 
-FORMAT = 1  # meta.json "format"; bump when the layout changes, keep reading older ones
-CONFIG, PROMPT, META = "config.yaml", "prompt.txt", "meta.json"
+FORMAT = 2  # meta.json "format"; bump when the layout changes, keep reading older ones
+# Runs with an outline are written as format 2, so a swiftwrite that knows no outlines refuses them instead of
+# continuing without headings; runs without one stay format 1, readable by every version.
+CONFIG, PROMPT, META, OUTLINE, OUTLINE_MD = "config.yaml", "prompt.txt", "meta.json", "outline.json", "outline.md"
 TOKENS, TEXT, DRAFTER = "tokens.bin", "output.txt", "drafter.bin"  # DRAFTER: the name before format 1.1
 STATE, PREV, LOCK, PROGRESS = "state.json", "state.prev.json", "lock", "progress.jsonl"
 STAGING_PREFIX = ".swiftwrite-new-"  # + name + "." + pid: a run directory being created
@@ -84,13 +88,16 @@ class RunDir:
             raise UserError(f"the run directory {p} cannot be created in {up} (permission denied); choose another place.")
 
     @classmethod
-    def create(cls, path, config: dict, prompt_text: str, prompt_ids: list[int], fingerprint: str) -> RunDir:
+    def create(cls, path, config: dict, prompt_text: str, prompt_ids: list[int], fingerprint: str,
+               outline: dict | None = None, outline_md: str = "") -> RunDir:
         p = Path(path)
         cls.check_new(p)
         # Serialize first, so a bad config fails before anything touches the disk.
         files = {CONFIG: yaml.safe_dump(config, sort_keys=False).encode(), PROMPT: prompt_text.encode(),
-                 META: _json({"format": FORMAT, "fingerprint": fingerprint, "prompt_ids": list(prompt_ids),
-                              "created": _now()})}
+                 META: _json({"format": 2 if outline else 1, "fingerprint": fingerprint,
+                              "prompt_ids": list(prompt_ids), "created": _now()})}
+        if outline:
+            files[OUTLINE], files[OUTLINE_MD] = _json(outline), outline_md.encode()
         final = p.resolve()
         stage = final.parent / f"{STAGING_PREFIX}{final.name}.{os.getpid()}"
         self = None
@@ -101,13 +108,14 @@ class RunDir:
             self = cls(stage, _lock(stage))
             self.config, self.prompt_text = config, prompt_text
             self.prompt_ids, self.fingerprint = list(prompt_ids), fingerprint
+            self.outline = outline
             self.tokens, self.finished = [], False
             self._tok_hash, self._text_hash, self._text_bytes = hashlib.sha256(), hashlib.sha256(), 0
             self._state = self._new_state({}, None, False, count=0)
             self._state_bytes = _json(self._state)
             for name in (TOKENS, TEXT):
                 (stage / name).write_bytes(b"")
-            for name in (CONFIG, PROMPT, META):
+            for name in files:
                 _atomic_write(stage / name, files[name])
             _atomic_write(stage / STATE, self._state_bytes)
             # rename(2) replaces an empty directory too, atomically; a non-empty one (someone wrote into it since
@@ -161,6 +169,9 @@ class RunDir:
             if not isinstance(self.config, dict):
                 raise ValueError(f"{CONFIG} is not a mapping")
             self.prompt_text = (p / PROMPT).read_text(encoding="utf-8")
+            self.outline = json.loads((p / OUTLINE).read_text()) if meta.get("format", 1) >= 2 else None
+            if self.outline is not None and not isinstance(self.outline, dict):
+                raise ValueError(f"{OUTLINE} is not a JSON object")
         except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError) as e:
             raise UserError(f"the run metadata in {p} is unreadable ({e}); "
                             "the run cannot be resumed, start a new one.") from e

@@ -39,6 +39,7 @@ class Progress:
     distinct_4: float | None = None  # Distinct-4 of the last QUALITY_WINDOW tokens; None until first measured
     repeat: int = 0  # the longest verbatim repeat the text is in now (repetition.LoopWatch), 0 = none
     distinct_1: float | None = None  # Distinct-1 of the last WORDS_WINDOW tokens; None until measured
+    section: tuple | None = None  # outline runs: (k, N, title, tokens written in it, its budget)
 
 
 QUALITY_WINDOW = 2000  # tokens the live Distinct-4 looks back: recent enough to show a loop as it starts
@@ -64,6 +65,13 @@ def _d4(p: Progress) -> str:
 
 def _d1(p: Progress) -> str:
     return "-" if p.distinct_1 is None else f"{p.distinct_1:.2f}"
+
+
+def _section_line(p: Progress) -> str:
+    if not p.section:
+        return ""
+    k, n, title, written, budget = p.section
+    return f"  section {k}/{n} {title[:40]!r} {written}/{budget}"
 
 
 def human_bytes(n: float) -> str:
@@ -137,7 +145,8 @@ class Display:
                 tpf = p.tokens_this_process / p.forwards if p.forwards else 0.0
                 print(f"[swiftwrite] {p.done}/{p.target} tokens  {avg:.1f} tok/s  {tpf:.2f} tok/forward  "
                       f"left {eta(p.target - p.done, recent)}  D-4 {_d4(p)}  D-1/{WORDS_WINDOW} {_d1(p)}  repeat {p.repeat}  "
-                      f"checkpoints {p.checkpoints}  rss {human_bytes(p.rss_bytes)}", file=sys.stderr, flush=True)
+                      f"checkpoints {p.checkpoints}  rss {human_bytes(p.rss_bytes)}" + _section_line(p),
+                      file=sys.stderr, flush=True)
             return
         if self._live is not None and (force or now - self._last >= 0.25):
             self._last = now
@@ -157,6 +166,9 @@ class Display:
         if p.per_source and p.forwards:
             t.add_row("per source", "  ".join(f"{k} {v / p.forwards:.2f}" for k, v in p.per_source.items()))
         t.add_row("elapsed", f"{p.seconds:.0f} s")
+        if p.section:
+            k, n, title, written, budget = p.section
+            t.add_row("section", f"{k} of {n}: {title[:60]}   {written:,}/{budget:,} tokens")
         looping = p.repeat >= LOOP_WARN
         t.add_row("text", Text(f"Distinct-4 {_d4(p)} (last {QUALITY_WINDOW:,} tokens), Distinct-1 {_d1(p)} (last "
                                f"{WORDS_WINDOW}), verbatim repeat {p.repeat} tokens" + ("  LOOPING" if looping else ""),

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import outline as outlines
 from .config import Config
 from .devices import pick_device
 from .errors import UsageError, UserError
@@ -138,7 +139,8 @@ def interrupted_before_the_loop(rd: RunDir):
         raise e from None
 
 
-def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display: Display, stats_json: Path | None) -> int:
+def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display: Display, stats_json: Path | None,
+             sched: outlines.Schedule | None = None) -> int:
     import torch
 
     from .engine import SOURCES
@@ -155,6 +157,7 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
     forwards = 0
     drafted = 0  # draft nodes verified
     made = 0
+    forced = 0  # outline headings among `made`: committed without a forward, so not in tokens per forward
     since = 0
     tail = ""
     checkpoints = 0
@@ -178,19 +181,27 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
         d1 = round(distinct_n(recent[-WORDS_WINDOW:], 1), 3) if len(recent) >= WORDS_WINDOW else None
         return d4
 
+    def section() -> tuple | None:
+        if sched is None or sched.k < 0:
+            return None
+        k = sched.k
+        return k + 1, len(sched.plan.sections), sched.plan.sections[k].title, done - sched.starts[k], sched.plan.budgets[k]
+
     def progress() -> Progress:
         if time.perf_counter() - d4_at >= 0.5:  # a set of 2,000 tuples: twice a second, not every step
             recent_distinct()
         return Progress(done, target, time.perf_counter() - t0, made, forwards, per_source,
                         str(engine.budget) if engine.budget is not None else ("auto" if engine.sources else ""),
-                        engine.cache.nbytes, _rss(), checkpoints, last_cp, tail, d4, repeat, d1)
+                        engine.cache.nbytes, _rss(), checkpoints, last_cp, tail, d4, repeat, distinct_1=d1,
+                        section=section())
 
     def stats() -> dict:
         secs = time.perf_counter() - t0
         return {
             "tokens": made, "total_tokens": done, "target": target, "seconds": round(secs, 3),
             "tokens_per_second": round(made / secs, 3) if secs > 0 else 0.0,
-            "forward_passes": forwards, "mean_tokens_per_forward": round(made / forwards, 4) if forwards else 0.0,
+            "forward_passes": forwards,
+            "mean_tokens_per_forward": round((made - forced) / forwards, 4) if forwards else 0.0,
             "per_source": {name: {"accepted_tokens": n, "tokens_per_forward": round(n / forwards, 4) if forwards else 0.0,
                                   **(engine.stats.summary(SOURCES.index(name)) if engine.stats else {})}
                            for name, n in per_source.items()},
@@ -199,6 +210,9 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
             "kv_cache_bytes": engine.cache.nbytes, "peak_rss_bytes": _rss(), "model_fingerprint": rd.fingerprint,
             "text_pending_tokens": len(stream.pending), "earlier_processes": history,
             "longest_current_repeat": repeat, **({"stopped": stopped} if stopped else {}),
+            # where each section's heading starts (output token index): resume checks its replay against it
+            **({"sections": {"count": len(sched.plan.sections), "starts": list(sched.starts)},
+                "forced_tokens": forced} if sched else {}),
         }
 
     def checkpoint(finished: bool = False):
@@ -228,8 +242,11 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
     try:
         # Inference mode for the whole loop: no autograd bookkeeping on any tensor the engine makes or edits.
         with Interrupt() as intr, torch.inference_mode():
-            for step in engine.run(target - done):
-                forwards += 1
+            steps = engine.run(target - done) if sched is None else \
+                outlines.drive(engine, sched, target - done, list(rd.tokens))
+            for step in steps:
+                forwards += 0 if step.forced else 1
+                forced += len(step.tokens) if step.forced else 0
                 drafted += step.drafted
                 made += len(step.tokens)
                 done += len(step.tokens)
@@ -346,32 +363,65 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
     display = Display(Display.choose(quiet, no_live))
     # Cheapest first: what the user typed, then the model's files, then its weights.
     brief = read_prompt(prompt_source)
-    text = apply_template(brief, cfg.template)
+    sections = budgets = None
+    planning = cfg.plan or cfg.plan_only
+    if cfg.outline:
+        where = f"--outline {cfg.outline}"
+        sections = outlines.parse(outlines.read_outline(cfg.outline), where)
+        budgets = outlines.allocate(sections, cfg.tokens, where)
+    elif planning and cfg.sections * outlines.MIN_SECTION > cfg.tokens:
+        raise UsageError(f"--sections {cfg.sections} leaves fewer than {outlines.MIN_SECTION} of --tokens {cfg.tokens} "
+                         "per section; ask for fewer sections or more tokens.")
     check_writable(out_path, "--out")
     check_writable(stats_json, "--stats-json")
     path = run_dir if run_dir is not None else default_run_dir(brief)
-    RunDir.check_new(path)
+    if not cfg.plan_only:  # --plan-only writes the outline and no run
+        RunDir.check_new(path)
     lm = open_model(cfg, display)
     # The run records the dtype it really uses: `auto` may have become bfloat16 for lack of memory, and a resume
     # must not pick another one when memory differs then.
     cfg.dtype = dtype_name(lm.dtype)
+    if planning:
+        # the prompt is not known before the plan: check the weights and the document's KV cache against free
+        # memory now, before any weight is read, as make_window does below for runs without planning
+        make_window(cfg, lm, 0, Display("quiet"))  # its notices come once, below
+        load_weights(lm)
+        sections = plan_outline(cfg, lm, brief, display)
+        if cfg.plan_only:
+            fh = _open_out(out_path)
+            try:
+                fh.write(outlines.render(sections))
+                fh.flush()
+            finally:
+                if fh is not sys.stdout:
+                    fh.close()
+            return 0
+        budgets = outlines.allocate(sections, cfg.tokens, "the planned outline")
+    text = apply_template(outlines.with_outline(brief, sections) if sections else brief, cfg.template)
     ids = prompt_ids(lm.tok, text, cfg.raw)
+    plan = outlines.Plan.build(sections, budgets, lambda t: lm.tok(t, add_special_tokens=False)["input_ids"]) \
+        if sections else None
     if ids and max(ids) >= lm.mcfg.vocab_size:
         raise UserError(f"the tokenizer in {lm.ref.path} produced token id {max(ids)}, but the model has only "
                         f"{lm.mcfg.vocab_size} embeddings: tokenizer and weights do not belong together; "
                         "re-download or re-convert the model.")
-    window = make_window(cfg, lm, len(ids), display)
-    load_weights(lm)
+    window = make_window(cfg, lm, len(ids) + (plan.pin_max if plan else 0), display)
+    if lm.model is None:
+        load_weights(lm)
     engine = build_engine(cfg, lm, window, len(ids) + cfg.tokens, display)
+    sched = _schedule(engine, plan, lm, len(ids)) if plan else None
     out = _open_out(out_path)
     try:
-        rd = RunDir.create(path, cfg.to_dict(), text, ids, lm.ref.fingerprint)
+        rd = RunDir.create(path, cfg.to_dict(), text, ids, lm.ref.fingerprint, outline=plan.to_json() if plan else None,
+                           outline_md=outlines.render(sections, budgets) if plan else "")
         try:
             display.info(f"run directory: {rd.path}")
+            if plan:
+                display.info(f"outline: {len(sections)} sections, written to {rd.path / 'outline.md'}")
             with interrupted_before_the_loop(rd):
                 engine.start(ids)
                 fit_budget(engine, lm, upto=len(ids) + cfg.tokens)
-            return run_loop(cfg, lm, rd, engine, out, display, stats_json)
+            return run_loop(cfg, lm, rd, engine, out, display, stats_json, sched)
         finally:
             rd.close()
     finally:
@@ -427,9 +477,28 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
             if out_path is not None:
                 _open_out(out_path, (rd.path / "output.txt").read_text(encoding="utf-8")).close()
             return 0
-        window = make_window(cfg, lm, len(rd.prompt_ids), display)
+        plan = None
+        if rd.outline is not None:
+            try:
+                plan = outlines.Plan.from_json(rd.outline)
+            except (KeyError, TypeError, ValueError) as e:
+                raise UserError(f"{rd.path / 'outline.json'} is damaged ({e}); the run cannot be resumed exactly, "
+                                "start it again with the same outline.") from None
+        window = make_window(cfg, lm, len(rd.prompt_ids) + (plan.pin_max if plan else 0), display)
         load_weights(lm)
         engine = build_engine(cfg, lm, window, len(rd.prompt_ids) + cfg.tokens, display)
+        sched = None
+        if plan:
+            sched = _schedule(engine, plan, lm, len(rd.prompt_ids))
+            try:
+                sched.replay(rd.tokens)
+            except ValueError as e:
+                raise UserError(f"the tokens in {rd.path} do not follow its outline ({e}); "
+                                "the run cannot be resumed exactly.") from None
+            saved = (rd.stats.get("sections") or {}).get("starts")
+            if isinstance(saved, list) and saved != sched.starts:
+                raise UserError(f"the section boundaries recorded in {rd.path} ({saved}) differ from where its tokens put "
+                                f"them ({sched.starts}); the run cannot be resumed exactly.")
         for w in engine.load_drafter_state(unpack_state(rd.drafter_state())):
             display.info(w)
         with interrupted_before_the_loop(rd):
@@ -439,9 +508,64 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
         existing = (rd.path / "output.txt").read_text(encoding="utf-8") if out_path is not None else None
         out = _open_out(out_path, existing)
         try:
-            return run_loop(cfg, lm, rd, engine, out, display, stats_json)
+            return run_loop(cfg, lm, rd, engine, out, display, stats_json, sched)
         finally:
             if out is not sys.stdout:
                 out.close()
     finally:
         rd.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Outlines (outline.py has the rules; these put the model behind them)
+
+
+def _schedule(engine: "Engine", plan: outlines.Plan, lm: Loaded, prompt_len: int) -> outlines.Schedule:
+    sched = outlines.Schedule(plan, outlines.ender_ids(lm.tok, lm.mcfg.vocab_size))
+    engine.pin_context(prompt_len, sched.pin_at)
+    return sched
+
+
+def plan_outline(cfg: Config, lm: Loaded, brief: str, display: Display) -> list[outlines.Section]:
+    """--plan: the model writes the section titles (greedy, a numbered list) before the document. Titles it did
+    not give are filled in as "Part k", and the user is told; the outline is shown either way."""
+    import torch
+
+    from .engine import Engine
+    from .loading import dry_settings, suppressed_ids
+    from .sampling import Sampler, SamplerSettings
+    from .window import MIN_FREE, Window
+
+    n = outlines.plan_count(cfg.tokens, cfg.sections)
+    ids = prompt_ids(lm.tok, outlines.planning_prompt(brief, n), raw=False)
+    most = n * outlines.PLAN_TITLE_TOKENS + 16
+    context = min(lm.mcfg.max_positions, len(ids) + max(most, MIN_FREE) + 1)
+    if context - len(ids) < MIN_FREE:
+        raise UserError(f"the brief is too long to plan an outline within the model's {lm.mcfg.max_positions} "
+                        "positions; shorten it or give --outline FILE.")
+    stops = suppressed_ids(lm.tok, lm.model.cfg)
+    # Greedy, without the contextual penalty (a list repeats its numbers and newlines on purpose); DRY as set.
+    settings = SamplerSettings(temperature=0.0, penalty=1.0, suppress=(), seed=cfg.seed,
+                               dry=dry_settings(cfg, lm.tok, lm.model.cfg.vocab_size))
+    engine = Engine(lm.model, Sampler(settings, lm.model.cfg.vocab_size, lm.model.device), Window(context, len(ids)),
+                    capacity=len(ids) + most + 1, stop_ids=stops)
+    display.info(f"planning {n} sections from the brief…")
+    got: list[int] = []
+    with torch.inference_mode():
+        engine.start(ids)
+        for step in engine.run(min(most, context - len(ids) - 1)):
+            got += step.tokens
+            if step.tokens and "\n" in lm.tok.decode(step.tokens) and \
+                    len(outlines.parse(lm.tok.decode(got, skip_special_tokens=True), strict=False)) >= n:
+                break
+    text = lm.tok.decode(got, skip_special_tokens=True)
+    sections, missing = outlines.planned(text, n)
+    if missing:
+        how = "edit this outline" if cfg.plan_only else "run with --plan-only, edit the outline"
+        display.alert(f"swiftwrite: the model's plan gave {n - missing} usable (distinct) section titles of {n}; the "
+                      f"other {missing} {'is' if missing == 1 else 'are'} called 'Part k'. To name them, {how} and "
+                      "pass it back with --outline.")
+    if not cfg.plan_only:  # --plan-only prints it as its output
+        display.info("outline:\n" + outlines.render(sections).rstrip())
+    del engine
+    return sections

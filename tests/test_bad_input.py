@@ -101,6 +101,24 @@ CASES = [
     ("bench-missing-prompt", ["bench", "--methods", "none", "--prompts", "no-such-prompt.txt"], 2, None),
     ("bench-out-under-a-file", ["bench", "--methods", "none", "--out", "{binary}/results"], 1, None),
     ("bench-tokens-past-the-window [loads the model]", ["bench", "--methods", "none", "--tokens", "9000"], 2, None),
+    # outlines: refused before the model is opened
+    ("outline-without-headings", [*GEN, "--outline", "{outline_none}"], 2, None),
+    ("outline-empty", [*GEN, "--outline", "{empty}"], 2, None),
+    ("outline-budgets-over-tokens", [*GEN[:-2], "--tokens", "100", "--outline", "{outline_over}"], 2, None),
+    ("outline-budgets-leave-nothing-to-share", [*GEN[:-2], "--tokens", "200", "--outline", "{outline_over}"], 2, None),
+    ("outline-budget-zero", [*GEN[:-2], "--tokens", "100", "--outline", "{outline_zero}"], 2, None),
+    ("outline-budget-negative", [*GEN[:-2], "--tokens", "100", "--outline", "{outline_negative}"], 2, None),
+    ("outline-missing-file", [*GEN, "--outline", "{tmp}/no-such-outline.md"], 2, None),
+    ("outline-a-directory", [*GEN, "--outline", "{tmp}"], 2, None),
+    ("outline-not-utf8", [*GEN, "--outline", "{latin1}"], 2, None),
+    ("outline-binary", [*GEN, "--outline", "{binary}"], 2, None),
+    ("outline-with-plan", [*GEN, "--outline", "{outline_ok}", "--plan"], 2, None),
+    ("outline-with-plan-only", [*GEN, "--outline", "{outline_ok}", "--plan-only"], 2, None),
+    ("env-outline-with-plan", [*GEN, "--plan", "SWIFTWRITE_OUTLINE={outline_ok}"], 2, None),
+    ("yaml-outline-without-headings", [*GEN, "--config", "{yaml_outline}"], 2, None),
+    ("sections-without-plan", [*GEN, "--sections", "3"], 2, None),
+    ("sections-negative", [*GEN, "--plan", "--sections", "-1"], 2, None),
+    ("sections-too-many-for-tokens", [*GEN, "--plan", "--sections", "9"], 2, None),
     # outputs and run directories
     ("out-into-missing-dir", [*GEN, "--out", "{tmp}/no/such/dir/out.txt"], 1, None),
     ("out-is-a-directory", [*GEN, "--out", "{tmp}"], 1, None),
@@ -164,6 +182,12 @@ def world(tmp_path_factory, default_model_dir) -> dict[str, Path]:
     file("yaml_loop.yaml", b"stop_on_loop: 8\n")
     file("yaml_breakers.yaml", b"dry_breakers: '\\n,'\n")
     file("gguf.gguf", b"GGUF" + os.urandom(4096))
+    file("outline_none.md", b"An outline in prose: first the storm, then the bottle.\n")
+    file("outline_over.md", b"## The storm {tokens: 120}\n## The bottle {tokens: 80}\n## The reply\n")
+    file("outline_zero.md", b"## The storm {tokens: 0}\n## The bottle\n")
+    file("outline_negative.md", b"## The storm {tokens: -50}\n## The bottle\n")
+    file("outline_ok.md", b"## The storm\n## The bottle\n")
+    file("yaml_outline.yaml", f"outline: {t / 'outline_none.md'}\n".encode())
 
     def model_dir(name, files: dict[str, bytes]) -> Path:
         d = t / name
@@ -230,7 +254,7 @@ def test_bad_input_fails_with_one_sentence_and_leaves_nothing(world, tmp_path, c
     args = []
     for a in argv:
         if "=" in a and a.split("=")[0].startswith("SWIFTWRITE_"):
-            env[a.split("=")[0]] = a.split("=", 1)[1]
+            env[a.split("=")[0]] = a.split("=", 1)[1].format(**paths)
         else:
             args.append(a.format(**paths))
     models = store.home() / "models"

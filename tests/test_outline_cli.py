@@ -1,0 +1,172 @@
+"""Outlines end to end: `swiftwrite generate --outline / --plan / --plan-only` and `resume` as subprocesses, on the
+kill sweep's tiny random model (bench/kill_sweep.py: the default model's tokenizer, an LM head that writes the
+ids of an English sentence, sentence ends included), with a small --context so the context is rebuilt several
+times. Properties: headings once each, in order, at sentence ends where the grace allows; sections within ±10%
+of their budgets; drafting = plain decoding; a run killed mid-section resumes to the same bytes; --plan's
+outline is one the parser reads back.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from swiftwrite import outline as ol
+from test_cli import Background, clean_env, read_tokens, state_tokens, sw, text_of, wait_for
+from test_kill_sweep import load_sweep
+
+TOKENS = 300
+CONTEXT = 192  # the prompt with its outline is ~90 tokens: rebuilt every ~50 tokens
+OUTLINE = """# The lighthouse
+
+## The storm {tokens: 90}
+The keeper fights to keep the lamp lit.
+
+## The bottle
+A bottle washes up with a letter.
+
+## The reply {tokens: 70}
+
+## The ship
+"""
+GREEDY = ["--temperature", "0"]
+SAMPLED = ["--temperature", "0.8", "--seed", "5"]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, default_model_dir):
+    w = tmp_path_factory.mktemp("outline-cli")
+    model = load_sweep().build_tiny_model(w / "tiny", default_model_dir)["path"]
+    (w / "outline.md").write_text(OUTLINE)
+    (w / "prompt.txt").write_text("A lighthouse keeper finds a message in a bottle.\n")
+    return w, model
+
+
+def args(work, name, *extra, draft="all"):
+    w, model = work
+    return ["generate", w / "prompt.txt", "--model", model, "--run-dir", w / name, "--tokens", TOKENS, "--chunk", 8,
+            "--context", CONTEXT, "--outline", w / "outline.md", "--draft", draft, "--budget", 16, "--threads", 1,
+            "--quiet", *extra]
+
+
+def env(work, **extra):
+    return clean_env(SWIFTWRITE_HOME=str(work[0] / "home"), **extra)
+
+
+@pytest.fixture(scope="module")
+def refs(work):
+    out = {}
+    for mode, flags in (("greedy", GREEDY), ("sampled", SAMPLED)):
+        for draft in ("none", "all"):
+            proc = sw(*args(work, f"{mode}-{draft}", *flags, draft=draft), env=env(work), cwd=work[0])
+            assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+            out[mode, draft] = (work[0] / f"{mode}-{draft}", proc)
+    return out
+
+
+def sections_of(run_dir):
+    plan = ol.Plan.from_json(json.loads((run_dir / "outline.json").read_text()))
+    starts = json.loads((run_dir / "state.json").read_text())["stats"]["sections"]["starts"]
+    return plan, starts
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_drafting_equals_plain_decoding_with_an_outline(refs, mode):
+    plain, spec = refs[mode, "none"][0], refs[mode, "all"][0]
+    assert read_tokens(spec) == read_tokens(plain) and text_of(spec) == text_of(plain)
+    assert sections_of(spec)[1] == sections_of(plain)[1]
+    stats = json.loads((spec / "state.json").read_text())["stats"]
+    assert stats["mean_tokens_per_forward"] > 1.1  # drafts were accepted, so steps could cross boundaries
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_headings_appear_once_in_order_and_sections_keep_their_budgets(refs, work, mode):
+    run, proc = refs[mode, "all"]
+    text = text_of(run)
+    assert proc.stdout.decode() == text
+    plan, starts = sections_of(run)
+    assert [s.title for s in plan.sections] == ["The storm", "The bottle", "The reply", "The ship"]
+    assert plan.budgets == [90, 70, 70, 70] and sum(plan.budgets) == TOKENS
+    at = [text.find(f"## {s.title}\n\n") for s in plan.sections]
+    assert at[0] == 0 and at == sorted(at) and all(text.count(f"## {s.title}") == 1 for s in plan.sections), text
+    tokens = read_tokens(run)
+    assert len(tokens) == TOKENS and len(starts) == 4
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(work[1])
+    sched = ol.Schedule(plan, ol.ender_ids(tok, len(tok)))
+    sched.replay(tokens)  # the rule, applied to the tokens afresh, finds the boundaries the run recorded
+    assert sched.starts == starts
+    for k, s in enumerate(starts):
+        assert tokens[s : s + len(plan.headings[k])] == plan.headings[k]
+    lengths = [b - a for a, b in zip(starts, starts[1:] + [TOKENS])]
+    assert all(abs(n - b) <= 0.1 * b for n, b in zip(lengths, plan.budgets)), (lengths, plan.budgets)
+    # each section before the last ends at a sentence end, unless the grace ran out (the tiny model's sentences
+    # are long: at least one must still end at a full stop for the rule to have been exercised)
+    before = [text[: at[k]].rstrip(" ") for k in range(1, 4)]
+    assert any(b.endswith((".", "!", "?")) or b.endswith("\n") for b in before), before
+    md = (run / "outline.md").read_text()
+    assert [s.title for s in ol.parse(md)] == [s.title for s in plan.sections]
+
+
+def test_the_context_was_rebuilt_several_times(refs, work):
+    w, _ = work
+    run = refs["greedy", "all"][0]
+    prompt = len(json.loads((run / "meta.json").read_text())["prompt_ids"])
+    plan, _ = sections_of(run)
+    from swiftwrite.window import Window
+
+    win = Window(CONTEXT, prompt + plan.pin_max)
+    rebuilds = len({win.span(prompt + i)[0] for i in range(TOKENS)}) - 1
+    assert rebuilds >= 3, rebuilds
+    assert json.loads((run / "meta.json").read_text())["format"] == 2
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_killed_mid_section_then_resumed_gives_the_same_bytes(refs, work, tmp_path, mode):
+    ref = refs[mode, "all"][0]
+    _, starts = sections_of(ref)
+    name = f"killed-{mode}"
+    bg = Background(tmp_path, args(work, name, *(GREEDY if mode == "greedy" else SAMPLED)),
+                    env=env(work, SWIFTWRITE_SLOW_CHECKPOINT="0.03"))
+    run = work[0] / name
+    wait_for(lambda: state_tokens(run) >= starts[1] + 20, bg.proc)
+    bg.proc.send_signal(signal.SIGKILL)
+    bg.finish()
+    at = state_tokens(run)
+    inside = [k for k in range(4) if starts[k] < at < (starts + [TOKENS])[k + 1]]
+    assert inside and at not in starts, (at, starts)
+    proc = sw("resume", run, "--out", tmp_path / "out.md", "--quiet", env=env(work), cwd=work[0])
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    assert read_tokens(run) == read_tokens(ref)
+    assert (run / "output.txt").read_bytes() == (ref / "output.txt").read_bytes()
+    assert (tmp_path / "out.md").read_bytes() == (ref / "output.txt").read_bytes()
+    assert sections_of(run)[1] == starts
+
+
+def test_plan_only_writes_an_outline_the_parser_reads_back_and_no_run(work, tmp_path):
+    w, model = work
+    proc = sw("generate", w / "prompt.txt", "--model", model, "--plan-only", "--sections", 4, "--tokens", 400,
+              "--run-dir", tmp_path / "nothing", "--threads", 1, env=env(work), cwd=tmp_path)
+    err = proc.stderr.decode(errors="replace")
+    assert proc.returncode == 0, err
+    got = ol.parse(proc.stdout.decode())
+    assert len(got) == 4 and all(s.title for s in got)
+    if any(s.title.startswith("Part ") for s in got):  # the tiny model writes no list: say so
+        assert "'Part k'" in err and "--outline" in err
+    assert not (tmp_path / "nothing").exists() and not list(tmp_path.rglob("meta.json"))
+
+
+def test_plan_writes_the_document_from_its_own_outline(work, tmp_path):
+    w, model = work
+    run = tmp_path / "planned"
+    proc = sw("generate", w / "prompt.txt", "--model", model, "--plan", "--sections", 3, "--tokens", 150,
+              "--run-dir", run, "--threads", 1, "--quiet", *GREEDY, env=env(work), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    sections = ol.parse((run / "outline.md").read_text())
+    assert len(sections) == 3
+    text = text_of(run)
+    at = [text.find(f"## {s.title}\n\n") for s in sections]
+    assert at[0] == 0 and at == sorted(at), text
