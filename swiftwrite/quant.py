@@ -45,9 +45,9 @@ FORMAT = 1  # bump when what a file holds changes; older files are then rebuilt
 # Kernels available here, shapes they take
 
 
-def kernel_missing(setting: str) -> str | None:
-    """Why `setting`'s kernel cannot run with this torch, or None when it can."""
-    ops = torch.ops.aten
+def kernel_missing(setting: str, ops=None) -> str | None:
+    """Why `setting`'s kernel cannot run with this torch (`ops`: torch.ops.aten), or None when it can."""
+    ops = ops if ops is not None else torch.ops.aten
     needed = {"int8": ("_weight_int8pack_mm",),
               "int4": ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")}[setting]
     absent = [op for op in needed if not hasattr(ops, op)]
@@ -265,7 +265,9 @@ def load(path: Path, fingerprint: str) -> dict[str, object] | None:
             meta = fh.metadata() or {}
         if meta.get("fingerprint") != fingerprint:
             return None
-        t = load_file(str(path))
+        # Copied out of the file's buffer: its tensors sit at the header's offset, not on the 64-byte boundary the
+        # kernels' vector loads need (the int8 kernel crashed the process on the default model's weights).
+        t = {k: v.clone() for k, v in load_file(str(path)).items()}
     except (SafetensorError, OSError, ValueError):
         return None
     prefixes = {k.rsplit(".", 1)[0] for k in t}

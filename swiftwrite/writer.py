@@ -196,7 +196,7 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
             "budget": str(engine.budget) if engine.budget is not None else ("auto" if engine.sources else "none"),
             "cost_curve_ms": engine.cost.to_dict() if engine.cost is not None else None,
             "kv_cache_bytes": engine.cache.nbytes, "peak_rss_bytes": _rss(), "model_fingerprint": rd.fingerprint,
-            "text_pending_tokens": len(stream.pending), "earlier_processes": history,
+            "weights": lm.weights, "text_pending_tokens": len(stream.pending), "earlier_processes": history,
             "longest_current_repeat": repeat, **({"stopped": stopped} if stopped else {}),
         }
 
@@ -352,13 +352,14 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
     # The run records the dtype it really uses: `auto` may have become bfloat16 for lack of memory, and a resume
     # must not pick another one when memory differs then.
     cfg.dtype = dtype_name(lm.dtype)
+    cfg.weights = lm.weights  # likewise: `auto` is float today, and a resume keeps the weights the text came from
     ids = prompt_ids(lm.tok, text, cfg.raw)
     if ids and max(ids) >= lm.mcfg.vocab_size:
         raise UserError(f"the tokenizer in {lm.ref.path} produced token id {max(ids)}, but the model has only "
                         f"{lm.mcfg.vocab_size} embeddings: tokenizer and weights do not belong together; "
                         "re-download or re-convert the model.")
     window = make_window(cfg, lm, len(ids), display)
-    load_weights(lm)
+    load_weights(lm, display.info)
     engine = build_engine(cfg, lm, window, len(ids) + cfg.tokens, display)
     out = _open_out(out_path)
     try:
@@ -425,7 +426,7 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
                 _open_out(out_path, (rd.path / "output.txt").read_text(encoding="utf-8")).close()
             return 0
         window = make_window(cfg, lm, len(rd.prompt_ids), display)
-        load_weights(lm)
+        load_weights(lm, display.info)
         engine = build_engine(cfg, lm, window, len(rd.prompt_ids) + cfg.tokens, display)
         for w in engine.load_drafter_state(unpack_state(rd.drafter_state())):
             display.info(w)

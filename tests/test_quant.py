@@ -210,6 +210,9 @@ def test_quantized_weights_are_stored_once_and_read_back_without_float_products(
     for m in (first, again):
         assert all(isinstance(L[w], quant.QUANTIZED) for L in m.layers for w in ("wqkv", "wo", "w_gate_up", "w_down"))
         assert isinstance(m.lm_head, quant.QUANTIZED) and isinstance(m.embed, quant.QUANTIZED)
+    # read back on the 64-byte boundaries the kernels' vector loads need (the file's own offsets crashed them)
+    assert all(t.data_ptr() % 64 == 0 for L in again.layers for w in ("wqkv", "w_down")
+               for t in ((L[w].q, L[w].scale) if setting == "int8" else (L[w].packed, L[w].sz)))
     ids = torch.tensor(prompt())
     a, _ = first.forward(ids, torch.arange(len(ids)), first.new_cache(32))
     b, _ = again.forward(ids, torch.arange(len(ids)), again.new_cache(32))
@@ -248,3 +251,44 @@ def test_resume_in_the_middle_continues_with_the_same_tokens_with_quantized_weig
     got = [t for s in engine.run(N - k) for t in s.tokens]
     first = next((i for i, (a, b) in enumerate(zip(got, ref[k:])) if a != b), None)
     assert first is None, f"differs from the uninterrupted run at token {k + first}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The command line: the run records its weights, resume keeps them
+
+
+@pytest.mark.slow
+def test_a_quantized_run_records_its_weights_and_resume_keeps_them(default_model_dir, tmp_path, monkeypatch):
+    """generate --weights int8 --draft all for 16 tokens, then `resume --tokens 32` with no --weights: the same
+    tokens as a 32-token --draft none run with int8, which differ from the float run's (else the test is blind)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from swiftwrite.config import Config
+
+    monkeypatch.setenv("SWIFTWRITE_HOME", str(store.home()))  # the store the default model was found in
+    prompt_file = tmp_path / "p.txt"
+    prompt_file.write_text("Write a short story about a lighthouse keeper who finds a message in a bottle.")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("SWIFTWRITE_") or k == "SWIFTWRITE_HOME"}
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+
+    def sw(*args):
+        p = subprocess.run([sys.executable, "-m", "swiftwrite.cli", *map(str, args)], capture_output=True, env=env,
+                           cwd=tmp_path, timeout=300)
+        assert p.returncode == 0, p.stderr.decode()
+        return p
+
+    def tokens(run):
+        return np.fromfile(run / "tokens.bin", dtype=np.int32).tolist()
+
+    common = ["--temperature", "0", "--threads", "1", "--chunk", "8", "--quiet"]
+    sw("generate", prompt_file, "--run-dir", tmp_path / "q", "--tokens", 16, "--weights", "int8", "--draft", "all", *common)
+    assert yaml.safe_load((tmp_path / "q" / "config.yaml").read_text())["weights"] == "int8"
+    sw("resume", tmp_path / "q", "--tokens", 32, "--quiet")
+    sw("generate", prompt_file, "--run-dir", tmp_path / "ref", "--tokens", 32, "--weights", "int8", "--draft", "none", *common)
+    sw("generate", prompt_file, "--run-dir", tmp_path / "f", "--tokens", 32, "--draft", "none", *common)
+    assert tokens(tmp_path / "q") == tokens(tmp_path / "ref")
+    assert tokens(tmp_path / "f") != tokens(tmp_path / "ref")
+    assert Config().weights == "auto" and yaml.safe_load((tmp_path / "f" / "config.yaml").read_text())["weights"] == "float"
