@@ -47,18 +47,19 @@ def pick_device(cfg: Config, say=lambda msg: None) -> tuple[str, "torch.dtype"]:
 def weight_bytes(mcfg: "ModelConfig", dtype, weights: str = "float") -> int:
     """The model's parameters, counted from its configuration, times the dtype's size (norms and biases, a
     fraction of a percent, left out): known before a byte of the weights is read. Quantized (`weights` int8 /
-    int4): 1 byte per product weight plus a scale per row, or half a byte plus a bfloat16 scale and zero per 32;
-    the embedding table as int8 rows (shared with a tied int8 LM head)."""
+    int4): 1 byte per layer weight, or half a byte plus a bfloat16 scale and zero per 32; the LM head and the
+    embedding table as int8 rows (one table when they are tied)."""
     import torch
 
     h, inter, hd = mcfg.hidden_size, mcfg.intermediate_size, mcfg.head_dim
     attention = h * (mcfg.n_heads + 2 * mcfg.n_kv_heads) * hd + mcfg.n_heads * hd * h
     layers = mcfg.n_layers * (attention + 3 * h * inter)
     table = mcfg.vocab_size * h
+    tables = table * (1 if mcfg.tie_embeddings else 2)
     if weights == "int8":
-        return layers + table * (1 if mcfg.tie_embeddings else 2)
+        return layers + tables
     if weights == "int4":
-        return int((layers + table) * (0.5 + 4 / 32)) + table  # products + LM head, then the int8 embedding
+        return int(layers * (0.5 + 4 / 32)) + tables
     params = table * (1 if mcfg.tie_embeddings else 2) + layers
     return params * torch.finfo(dtype).bits // 8
 

@@ -285,7 +285,7 @@ class LeanModel:
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
-        self.weights = quantized["lm_head"].setting if quantized else "float"  # config.WEIGHTS, resolved
+        self.weights = quantized["layers.0.wqkv"].setting if quantized else "float"  # config.WEIGHTS, resolved
         # Quantized models compute attention row by row (see _attend_rows), so that a tree's rows equal single steps.
         self.exact_rows = bool(quantized)
         get = lambda name: weights[name].to(self.device, dtype)  # noqa: E731
