@@ -11,7 +11,8 @@ and each sampler setting (greedy and seeded sampling, the penalty on, as `swiftw
   * the text's Distinct-1..4 and longest repeat (swiftwrite.metrics), and the first position where the
     setting's `none` text leaves the float `none` text (quantized weights write another text);
   * the bytes the setting keeps in the model store (the float safetensors, or the quantized file) and the
-    process's peak resident memory; load seconds (the first run of a setting also quantizes, once).
+    process's peak resident memory; load seconds. The first run of a setting also quantizes, once, from the
+    float weights (`quantized_now` in the JSON): its peak memory and load time include that; run twice.
 With --gguf and llama-cpp-python installed, a llama.cpp plain-decoding row on that GGUF (greedy only, its own
 sampler and no penalty: its speed is the comparison, not its text). Machine, date and settings go in the JSON.
 """
@@ -58,6 +59,7 @@ def one_setting(weights: str, tokens: int, threads: int, samplers: list[str]) ->
 
     torch.set_num_threads(threads)
     display = Display("quiet")
+    built = weights != "float" and not quant.packed_path(store.locate("smollm2-135m"), weights).is_file()
     t = time.perf_counter()
     lm = loading.load(Config(weights=weights, threads=threads), display)
     load_s = time.perf_counter() - t
@@ -80,7 +82,8 @@ def one_setting(weights: str, tokens: int, threads: int, samplers: list[str]) ->
                 **distinct(o.tokens), "longest_repeat": longest_repeat(o.tokens),
                 "tokens": o.tokens,
             })
-    return {"weights": weights, "load_seconds": round(load_s, 2), "store_bytes": store_bytes,
+    # quantized_now: this process quantized the float weights (loaded whole), so its peak memory includes them
+    return {"weights": weights, "load_seconds": round(load_s, 2), "quantized_now": built, "store_bytes": store_bytes,
             "peak_rss_bytes": peak_rss_bytes(), "prompt_tokens": len(ids), "model": str(path),
             "fingerprint": lm.ref.fingerprint, "rows": rows}
 
