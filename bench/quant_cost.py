@@ -123,8 +123,11 @@ def main():
     if a.one:
         print(json.dumps(one_setting(a.one, a.tokens, a.threads, samplers)))
         return
+    import torch
+
     from swiftwrite.bench import machine
 
+    torch.set_num_threads(a.threads)  # what machine() reports; each setting's process sets it for itself
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
               "settings": {"tokens": a.tokens, "threads": a.threads, "samplers": samplers, "prompt": "lighthouse.txt",
                            "template": "novel", "model": "smollm2-135m (default)",

@@ -248,7 +248,7 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
     engine = Engine(model, Sampler(settings, model.cfg.vocab_size, model.device), window, sources, stats,
                     budget=fixed, capacity=total + 1, stop_ids=stops if cfg.stop_at_eos else ())
     display.info(f"KV cache: {human_bytes(engine.cache.nbytes)} for a {window.context}-token context on "
-                 f"{lm.device}/{dtype_name(lm.dtype)}")
+                 f"{lm.device}/{dtype_name(lm.dtype)}" + (f", {lm.weights} weights" if lm.weights != "float" else ""))
     return engine
 
 
