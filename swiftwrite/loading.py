@@ -232,6 +232,14 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
         dry=dry_settings(cfg, lm.tok, model.cfg.vocab_size),
     )
     names = [] if cfg.draft == "none" else (list(SOURCES) if cfg.draft == "all" else [cfg.draft])
+    if names and lm.weights != "float":
+        from .quant import row_variance
+
+        why = row_variance(model)  # the bits speculation's exactness rests on, checked on this machine
+        if why:
+            display.info(f"--weights {lm.weights}: {why}, so drafts could change the text; decoding without them "
+                         "(as --draft none) keeps it exactly what plain decoding writes.")
+            names = []
     heads = load_head_drafter(lm, required=cfg.draft == "heads", display=display, cfg=cfg, window=window) \
         if "heads" in names else None
     if heads is None and "heads" in names:

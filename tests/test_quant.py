@@ -303,3 +303,26 @@ def test_a_file_of_an_older_format_is_replaced_and_removed(tiny):
     load_lean(tiny, weights="int8")
     assert path.is_file() and not stale.exists()
     assert path.stat().st_mode & 0o044  # readable like the store's other files, not mkstemp's private mode
+
+
+def test_speculation_is_switched_off_with_a_sentence_where_the_kernels_rows_depend_on_the_row_count(quantized,
+                                                                                                   monkeypatch):
+    from swiftwrite import loading
+    from swiftwrite.config import Config
+
+    model = quantized["int8"]
+    lm = loading.Loaded(None, None, model.cfg, "cpu", torch.float32, model=model, weights="int8")
+    said = []
+    display = type("D", (), {"info": staticmethod(said.append)})()
+    engine = loading.build_engine(Config(draft="recycling"), lm, Window(CONTEXT, 24), 100, display)
+    assert quant.row_variance(model) is None and len(engine.sources) == 1  # this machine: invariant
+    real = quant.Int8Weight.mm
+
+    def drifting(self, x):  # a kernel whose rows pick up the row count in their last bit
+        return real(self, x) + x.shape[0] * 1e-6
+
+    monkeypatch.setattr(quant.Int8Weight, "mm", drifting)
+    said.clear()
+    engine = loading.build_engine(Config(draft="recycling"), lm, Window(CONTEXT, 24), 100, display)
+    assert len(engine.sources) == 0
+    assert any("among 2 rows than alone" in s and "as --draft none" in s for s in said), said
