@@ -100,7 +100,7 @@ class Int8Weight:
         self.q, self.scale = q, scale.float()
         self.scale_act = scale.to(ACT)  # what the kernel multiplies with; equal in value to self.scale
         self.shape = q.shape
-        self.device = q.device
+        self.device = q.device  # heads.py moves its vocabulary ids here
 
     @classmethod
     def quantize(cls, w: torch.Tensor) -> "Int8Weight":
@@ -117,15 +117,8 @@ class Int8Weight:
         assert dim == 0
         return self.q.index_select(0, ids).float() * self.scale.index_select(0, ids)[:, None]
 
-    def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scale[:, None]
-
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         return {prefix + ".q8": self.q, prefix + ".scale": self.scale}
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * 4
 
 
 class Int4Weight:
@@ -156,25 +149,9 @@ class Int4Weight:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(ACT), self.packed, GROUP, self.sz).to(x.dtype)
 
-    def index_select(self, dim: int, ids: torch.Tensor) -> torch.Tensor:
-        """De-quantized rows, read back through the kernel (the packed layout is torch's, not ours): the product
-        with the identity, in blocks. Used once per run (the heads' slice of the LM head), not per token."""
-        assert dim == 0
-        k = self.shape[1]
-        eye = torch.eye(k, dtype=ACT, device=self.device)
-        cols = torch.cat([self.mm(eye[i:i + 64]) for i in range(0, k, 64)])  # [K, N] = W^T
-        return cols.index_select(1, ids).t().float().contiguous()
-
-    def dequantize(self) -> torch.Tensor:
-        return self.index_select(0, torch.arange(self.shape[0], device=self.device))
-
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         return {prefix + ".q4": self.packed, prefix + ".sz": self.sz,
                 prefix + ".shape": torch.tensor(list(self.shape), dtype=torch.int64)}
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() + self.sz.numel() * 2
 
 
 QUANTIZED = (Int8Weight, Int4Weight)

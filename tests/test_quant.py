@@ -6,6 +6,7 @@ refused with the layer named."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -272,7 +273,7 @@ def test_a_quantized_run_records_its_weights_and_resume_keeps_them(default_model
     monkeypatch.setenv("SWIFTWRITE_HOME", str(store.home()))  # the store the default model was found in
     prompt_file = tmp_path / "p.txt"
     prompt_file.write_text("Write a short story about a lighthouse keeper who finds a message in a bottle.")
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("SWIFTWRITE_") or k == "SWIFTWRITE_HOME"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWIFTWRITE_") or k == "SWIFTWRITE_HOME"}
     env["OMP_WAIT_POLICY"] = "PASSIVE"
 
     def sw(*args):
