@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from swiftwrite import quant, store
+from swiftwrite import quant
 from swiftwrite.engine import Engine, make_sources
 from swiftwrite.errors import UserError
 from swiftwrite.heads import HeadsDrafter
@@ -270,7 +270,6 @@ def test_a_quantized_run_records_its_weights_and_resume_keeps_them(default_model
 
     from swiftwrite.config import Config
 
-    monkeypatch.setenv("SWIFTWRITE_HOME", str(store.home()))  # the store the default model was found in
     prompt_file = tmp_path / "p.txt"
     prompt_file.write_text("Write a short story about a lighthouse keeper who finds a message in a bottle.")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWIFTWRITE_") or k == "SWIFTWRITE_HOME"}
@@ -285,7 +284,8 @@ def test_a_quantized_run_records_its_weights_and_resume_keeps_them(default_model
     def tokens(run):
         return np.fromfile(run / "tokens.bin", dtype=np.int32).tolist()
 
-    common = ["--temperature", "0", "--threads", "1", "--chunk", "8", "--quiet"]
+    # the model as a directory: found without a pull, its quantized file in this test's own store (private_store)
+    common = ["--model", default_model_dir, "--temperature", "0", "--threads", "1", "--chunk", "8", "--quiet"]
     sw("generate", prompt_file, "--run-dir", tmp_path / "q", "--tokens", 16, "--weights", "int8", "--draft", "all", *common)
     assert yaml.safe_load((tmp_path / "q" / "config.yaml").read_text())["weights"] == "int8"
     sw("resume", tmp_path / "q", "--tokens", 32, "--quiet")
