@@ -56,6 +56,7 @@ def generate(
     context: Optional[str] = Opt(None, metavar="N", help="Tokens the model attends to (default: the model's window)."),
     device: Optional[str] = Opt(None, metavar="NAME", help="auto | cpu | cuda."),
     dtype: Optional[str] = Opt(None, metavar="NAME", help="auto | float32 | bfloat16 | float16."),
+    weights: Optional[str] = Opt(None, metavar="NAME", help="auto | float | int8 | int4: quantized linear layers on the CPU (default auto = float)."),
     attention: Optional[str] = Opt(None, metavar="NAME", help="auto | torch | triton | flash (GPU kernels; default auto)."),
     cuda_graphs: Optional[bool] = Opt(None, "--cuda-graphs", help="Replay verification forwards from CUDA graphs (GPU)."),
     threads: Optional[str] = Opt(None, metavar="N", help="CPU threads; 0 = torch's default."),
@@ -80,9 +81,9 @@ def generate(
                  dry_multiplier=dry_multiplier, dry_base=dry_base, dry_allowed_length=dry_allowed_length,
                  dry_window=dry_window, dry_breakers=dry_breakers, stop_on_loop=stop_on_loop,
                  stop_at_eos=stop_at_eos, chunk=chunk, draft=draft, budget=budget, static_tree=static_tree,
-                 head_mode=head_mode, draft_kv_budget=draft_kv_budget, context=context, device=device, dtype=dtype, attention=attention,
-                 cuda_graphs=cuda_graphs, threads=threads, outline=outline, plan=plan, plan_only=plan_only,
-                 sections=sections)
+                 head_mode=head_mode, draft_kv_budget=draft_kv_budget, context=context, device=device, dtype=dtype,
+                 weights=weights, attention=attention, cuda_graphs=cuda_graphs, threads=threads, outline=outline,
+                 plan=plan, plan_only=plan_only, sections=sections)
     cfg = config_mod.resolve(config, flags)
     raise typer.Exit(run(cfg, prompt, run_dir, out, quiet, no_live, stats_json))
 

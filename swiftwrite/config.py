@@ -22,6 +22,9 @@ DRAFT_SINKS = 16  # draftcache.SINKS, repeated so that reading options never imp
 TEMPLATES = ("novel", "report", "none")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# float: every weight in --dtype; int8 / int4: the linear layers and the LM head weight-only quantized (quant.py);
+# auto: float, until a quantized setting is measured to pay on a quiet machine (bench/quant_cost.py)
+WEIGHTS = ("auto", "float", "int8", "int4")
 # auto: on CUDA the Triton tree kernel for trees and flash-attn for prefill/decoding where installed, torch
 # on the CPU; torch: torch everywhere; triton / flash: ask for that kernel (a notice and torch if it can't run)
 ATTENTIONS = ("auto", "torch", "triton", "flash")
@@ -69,6 +72,10 @@ class Config:
     # auto = float32: in a half dtype a tree's forward rounds differently from a single step's, and speculative
     # output can leave plain output at a near-tie (bench/dtype_cost.py); bfloat16/float16 on request, with a notice
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # int8: per-channel symmetric, int4: groups of 32 asymmetric, both through torch's CPU kernels with bfloat16
+    # activations (~4x / ~5x less to read per token than float32); quantized once into the model store. Not the
+    # float model's text, but speculative output equals --draft none with the same weights. auto = float (today)
+    weights: str = "auto"  # auto | float | int8 | int4
     attention: str = "auto"  # auto | torch | triton | flash: which attention kernels the forward uses
     # replay the verification and decoding forwards from CUDA graphs (trees padded to 1, 2, 4 .. 64 nodes);
     # CUDA with the Triton kernel only. Off by default until a GPU run shows it pays (bench/gpu_check.sh)
@@ -120,6 +127,7 @@ class Config:
         need(self.context >= 0, "context", "must be 0 (the model's window) or a positive number of tokens")
         need(self.device in DEVICES, "device", f"must be one of {', '.join(DEVICES)}")
         need(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+        need(self.weights in WEIGHTS, "weights", f"must be one of {', '.join(WEIGHTS)}")
         need(self.attention in ATTENTIONS, "attention", f"must be one of {', '.join(ATTENTIONS)}")
         need(0 <= self.threads <= 1024, "threads", "must be 0 (torch's default) or a number of threads up to 1024")
         need(0 <= self.seed < 1 << 32, "seed", f"must be between 0 and {(1 << 32) - 1}")
@@ -137,7 +145,7 @@ class Config:
 FIELDS = {f.name: f for f in fields(Config)}
 
 # What a run directory saved before an option existed meant: a resumed run keeps writing the text it started.
-LEGACY = {"dry_multiplier": 0.0, "stop_on_loop": 0}
+LEGACY = {"dry_multiplier": 0.0, "stop_on_loop": 0, "weights": "float"}
 
 _ESCAPES = {"n": "\n", "t": "\t", ",": ",", "\\": "\\"}
 

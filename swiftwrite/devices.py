@@ -44,15 +44,46 @@ def pick_device(cfg: Config, say=lambda msg: None) -> tuple[str, "torch.dtype"]:
     return device, getattr(torch, name)
 
 
-def weight_bytes(mcfg: "ModelConfig", dtype) -> int:
+def weight_bytes(mcfg: "ModelConfig", dtype, weights: str = "float") -> int:
     """The model's parameters, counted from its configuration, times the dtype's size (norms and biases, a
-    fraction of a percent, left out): known before a byte of the weights is read."""
+    fraction of a percent, left out): known before a byte of the weights is read. Quantized (`weights` int8 /
+    int4): 1 byte per layer weight, or half a byte plus a bfloat16 scale and zero per 32; the LM head and the
+    embedding table as int8 rows (one table when they are tied)."""
     import torch
 
     h, inter, hd = mcfg.hidden_size, mcfg.intermediate_size, mcfg.head_dim
     attention = h * (mcfg.n_heads + 2 * mcfg.n_kv_heads) * hd + mcfg.n_heads * hd * h
-    params = mcfg.vocab_size * h * (1 if mcfg.tie_embeddings else 2) + mcfg.n_layers * (attention + 3 * h * inter)
+    layers = mcfg.n_layers * (attention + 3 * h * inter)
+    table = mcfg.vocab_size * h
+    tables = table * (1 if mcfg.tie_embeddings else 2)
+    if weights == "int8":
+        return layers + tables
+    if weights == "int4":
+        return int(layers * (0.5 + 4 / 32)) + tables
+    params = table * (1 if mcfg.tie_embeddings else 2) + layers
     return params * torch.finfo(dtype).bits // 8
+
+
+def pick_weights(cfg: Config, device: str, mcfg: "ModelConfig", lean: bool) -> str:
+    """config.WEIGHTS resolved: "float", "int8" or "int4"; a quantized setting this model or machine cannot run is
+    refused with one sentence (before any weight is read) rather than silently run as float, whose text differs."""
+    if cfg.weights in ("auto", "float"):
+        return "float"
+    w = cfg.weights
+    if not lean:
+        raise UserError(f"--weights {w} needs the lean forward, and '{mcfg.arch}' runs through transformers; "
+                        "use --weights float.")
+    if device != "cpu":
+        raise UserError(f"--weights {w} runs on torch's CPU kernels only; use --device cpu, or --weights float on the GPU.")
+    from .quant import kernel_missing, unpackable
+
+    why = kernel_missing(w)
+    if why:
+        raise UserError(f"--weights {w}: {why}; upgrade torch (2.6 or later) or use --weights float.")
+    why = unpackable(w, mcfg)
+    if why:
+        raise UserError(why)
+    return w
 
 
 def free_memory(device: str) -> int | None:

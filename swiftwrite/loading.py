@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .config import Config
-from .devices import attention_notes, fit_dtype, free_memory, pick_device, weight_bytes
+from .devices import attention_notes, fit_dtype, free_memory, pick_device, pick_weights, weight_bytes
 from .errors import UserError, first_line
 from .store import ModelRef, home, resolve
 from .ui import Display, dtype_name, human_bytes
@@ -55,6 +55,7 @@ class Loaded:
     model: "LeanModel | None" = None  # set by load_weights(), after every cheaper check has passed
     attention: str = "auto"  # config.ATTENTIONS
     cuda_graphs: bool = False  # wrap the lean model in graphs.GraphedModel (checked: CUDA and the tree kernel)
+    weights: str = "float"  # config.WEIGHTS resolved: float, int8 or int4
 
 
 def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Loaded:
@@ -68,11 +69,14 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
 
         torch.set_num_threads(cfg.threads)
     mcfg, lean = _model_config(ref, display)
-    dtype = fit_dtype(cfg, mcfg, device, dtype, display.info)
+    weights = pick_weights(cfg, device, mcfg, lean)
+    dtype = fit_dtype(cfg, mcfg, device, dtype, display.info) if weights == "float" else dtype
     graphs, notes = attention_notes(cfg, device, dtype)  # with the dtype the model will really have
     for note in notes:
         display.info(note)
-    return _loaded(ref, mcfg, device, dtype, cfg.attention, graphs and lean)
+    lm = _loaded(ref, mcfg, device, dtype, cfg.attention, graphs and lean)
+    lm.weights = weights
+    return lm
 
 
 def _model_config(ref: ModelRef, display: Display) -> tuple["ModelConfig", bool]:
@@ -123,11 +127,11 @@ def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype, attention: s
     return Loaded(ref, tok, mcfg, device, dtype, attention=attention, cuda_graphs=graphs)
 
 
-def load_weights(lm: Loaded) -> None:
+def load_weights(lm: Loaded, display_log=lambda msg: None) -> None:
     from .model import SUPPORTED_ARCHS, load_lean
 
     if lm.mcfg.arch in SUPPORTED_ARCHS:
-        lm.model = load_lean(lm.ref.path, lm.device, lm.dtype, lm.attention)
+        lm.model = load_lean(lm.ref.path, lm.device, lm.dtype, lm.attention, lm.weights, log=display_log)
         if lm.cuda_graphs:
             from .graphs import GraphedModel
 
@@ -141,7 +145,7 @@ def load_weights(lm: Loaded) -> None:
 def load(cfg: Config, display: Display) -> Loaded:
     """The model in one call, for callers with no input of their own to check first (bench, training)."""
     lm = open_model(cfg, display)
-    load_weights(lm)
+    load_weights(lm, display.info)
     return lm
 
 
@@ -161,10 +165,10 @@ def make_window(cfg: Config, lm: Loaded, prompt_len: int, display: Display) -> "
     context = min(cfg.context or limit, limit)
     window = Window(context, prompt_len)
     kv = KVCache.bytes_needed(lm.mcfg, context + 1 + MAX_BUDGET, lm.dtype)
-    weights = weight_bytes(lm.mcfg, lm.dtype) if lm.model is None else 0  # loaded ones are already not free
+    weights = weight_bytes(lm.mcfg, lm.dtype, lm.weights) if lm.model is None else 0  # loaded ones are already not free
     avail = free_memory(lm.device)
     where = "in RAM" if lm.device == "cpu" else "on the GPU"
-    dtype = dtype_name(lm.dtype)
+    dtype = dtype_name(lm.dtype) if lm.weights == "float" else lm.weights
     if avail is not None and weights > avail:
         raise UserError(f"the model's {dtype} weights need {human_bytes(weights)} but only {human_bytes(avail)} is free "
                         f"{where}; use a smaller model" + (", or --dtype bfloat16 (half the memory, not token-exact)"
@@ -228,6 +232,14 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
         dry=dry_settings(cfg, lm.tok, model.cfg.vocab_size),
     )
     names = [] if cfg.draft == "none" else (list(SOURCES) if cfg.draft == "all" else [cfg.draft])
+    if names and lm.weights != "float":
+        from .quant import row_variance
+
+        why = row_variance(model)  # the bits speculation's exactness rests on, checked on this machine
+        if why:
+            display.info(f"--weights {lm.weights}: {why}, so drafts could change the text; decoding without them "
+                         "(as --draft none) keeps it exactly what plain decoding writes.")
+            names = []
     heads = load_head_drafter(lm, required=cfg.draft == "heads", display=display, cfg=cfg, window=window) \
         if "heads" in names else None
     if heads is None and "heads" in names:
@@ -244,7 +256,7 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
     engine = Engine(model, Sampler(settings, model.cfg.vocab_size, model.device), window, sources, stats,
                     budget=fixed, capacity=total + 1, stop_ids=stops if cfg.stop_at_eos else ())
     display.info(f"KV cache: {human_bytes(engine.cache.nbytes)} for a {window.context}-token context on "
-                 f"{lm.device}/{dtype_name(lm.dtype)}")
+                 f"{lm.device}/{dtype_name(lm.dtype)}" + (f", {lm.weights} weights" if lm.weights != "float" else ""))
     return engine
 
 
@@ -298,6 +310,7 @@ def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display:
 
     key = f"{lm.ref.fingerprint}/{lm.model.device.type}/{str(lm.model.dtype)}/{torch.get_num_threads()}t"
     key += ("/graphs" if lm.cuda_graphs else "") + (f"/attn-{lm.attention}" if lm.attention != "auto" else "")
+    key += f"/w-{lm.weights}" if lm.weights != "float" else ""  # quantized products cost another curve
 
     def cost_at(cache):
         # measured once per model, device, dtype, thread count and 1K-token context bucket, then cached on disk

@@ -134,7 +134,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     (bench/forward_cost.py measured 176 us vs 118 us for 2 rows of a 3072x576 matrix, 429 vs 325 us for 16),
     and one row alone is padded to two (a one-row GEMV ran the 49,152x576 LM head at 6.8 ms vs 2.2 ms).
     In bfloat16 the same trick is a loss (the LM head at 3.8 ms vs 1.65 ms, a whole 1-token forward of the
-    default model 27.6 ms vs 17.3 ms, bench/dtype_cost.py), and on a GPU F.linear is cuBLAS's own path."""
+    default model 27.6 ms vs 17.3 ms, bench/dtype_cost.py), and on a GPU F.linear is cuBLAS's own path.
+    A quantized weight (quant.py, --weights int8/int4) runs its own kernel."""
+    if not isinstance(w, torch.Tensor):
+        y = w.mm(x)
+        return y + b if b is not None else y
     if x.dtype != torch.float32 or x.device.type != "cpu":
         return F.linear(x, w, b)
     if x.shape[0] == 1:
@@ -274,13 +278,23 @@ class KVCache:
 
 class LeanModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device="cpu", dtype=torch.float32,
-                 attention: str = "auto"):
+                 attention: str = "auto", quantized: dict | None = None):
+        """`quantized` (quant.quantize / quant.load_or_build): the products as Int8Weight / Int4Weight, by their
+        fused names ("layers.{i}.wqkv", "wo", "w_gate_up", "w_down", "lm_head", "embed"); `weights` then needs
+        only the norms and biases."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
+        self.weights = quantized["layers.0.wqkv"].setting if quantized else "float"  # config.WEIGHTS, resolved
+        # Quantized models compute attention row by row (see _attend_rows), so that a tree's rows equal single steps.
+        self.exact_rows = bool(quantized)
         get = lambda name: weights[name].to(self.device, dtype)  # noqa: E731
-        self.embed = get("model.embed_tokens.weight")
-        self.lm_head = self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights else get("lm_head.weight")
+        if quantized:
+            self.embed = quantized["embed"]
+            self.lm_head = quantized["lm_head"]
+        else:
+            self.embed = get("model.embed_tokens.weight")
+            self.lm_head = self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights else get("lm_head.weight")
         self.final_norm = get("model.norm.weight")
         self.layers = []
         for i in range(cfg.n_layers):
@@ -289,16 +303,21 @@ class LeanModel:
             layer = {
                 "in_norm": get(p + "input_layernorm.weight"),
                 "post_norm": get(p + "post_attention_layernorm.weight"),
-                "wqkv": torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"]),
-                "wo": get(a + "o_proj.weight"),
                 "bo": get(a + "o_proj.bias") if a + "o_proj.bias" in weights else None,
-                "w_gate_up": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-                "w_down": get(p + "mlp.down_proj.weight"),
                 "b_gate_up": torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])
                 if p + "mlp.gate_proj.bias" in weights else None,
                 "b_down": get(p + "mlp.down_proj.bias") if p + "mlp.down_proj.bias" in weights else None,
                 "bqkv": torch.cat([get(a + f"{x}_proj.bias") for x in "qkv"]) if cfg.attn_bias else None,
             }
+            if quantized:
+                layer.update({w: quantized[f"layers.{i}.{w}"] for w in ("wqkv", "wo", "w_gate_up", "w_down")})
+            else:
+                layer.update({
+                    "wqkv": torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"]),
+                    "wo": get(a + "o_proj.weight"),
+                    "w_gate_up": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                    "w_down": get(p + "mlp.down_proj.weight"),
+                })
             if cfg.qk_norm:
                 layer["q_norm"] = get(a + "q_norm.weight")
                 layer["k_norm"] = get(a + "k_norm.weight")
@@ -354,12 +373,18 @@ class LeanModel:
         bits = None
         if kv is None and not flash and n > 1:  # a tree, or a causal chunk when flash-attn is not there
             bits = self.gpu.tree_bits(given if given is not None else mask[:, start:], n)
+        # A tree's rows, on a quantized model, one by one (_attend_rows). Not causal chunks (prefill, rebuilds): plain
+        # and speculative runs prefill the same chunks, and row by row a chunk of n tokens would read the cache n times.
+        paths = self._row_paths(attn_mask, start, n) if self.exact_rows and given is not None and kv is None \
+            and bits is None and n > 1 else None
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if kv is not None:
                 return attention(q, *kv(li, q, k, v), None, self.scale)
             cache.k[li, :, start:end] = k
             cache.v[li, :, start:end] = v
+            if paths is not None:
+                return self._attend_rows(li, q, k, v, cache, start, paths)
             if bits is not None:
                 o = self.gpu.tree.tree_attention(q, cache.k[li, :, :start], cache.v[li, :, :start], k, v, bits, self.scale)
                 return o.transpose(0, 1).reshape(n, H * D)
@@ -369,6 +394,47 @@ class LeanModel:
 
         hidden = self._layers(ids, positions, attend)
         return self._logits(hidden, logits_for), hidden
+
+    @staticmethod
+    def _row_paths(mask: torch.Tensor, start: int, n: int) -> list[torch.Tensor | None] | None:
+        """For each new row, the new tokens it sees in order (its ancestors and itself), or None where they are
+        the slots right after the cache in order (a chain); None overall when some row does not
+        see the whole cache (then rows are not single steps and the batched path runs)."""
+        if not bool(mask[:, :start].all()):
+            return None
+        out = []
+        for i, row in enumerate(mask[:, start:]):
+            idx = row.nonzero().flatten()
+            out.append(None if idx.numel() == i + 1 and int(idx[-1]) == i else idx)
+        return out
+
+    def _attend_rows(self, li, q, k, v, cache: KVCache, start: int, paths) -> torch.Tensor:
+        """Attention of each new row computed exactly as a single-token step at its place computes it: one row
+        of queries against the cache followed by its own ancestors, contiguous, no mask. The batched product
+        rounds each row differently with the number of rows (bench/quant_invariance.py), which the bfloat16
+        activations of the quantized kernels turn into visible differences: without this, speculative output
+        under --weights int4 left plain decoding's at token 1,602 of 2,000 on a tiny model. A branch's
+        ancestors are copied after the cache for its row, and the tree's own K/V put back after the last."""
+        H, n, D = q.shape
+        out = torch.empty(n, H * D, dtype=q.dtype, device=q.device)
+        moved = False
+        for i, path in enumerate(paths):
+            if path is None:
+                if moved:
+                    cache.k[li, :, start : start + i + 1] = k[:, : i + 1]
+                    cache.v[li, :, start : start + i + 1] = v[:, : i + 1]
+                    moved = False
+                end = start + i + 1
+            else:
+                end = start + path.numel()
+                cache.k[li, :, start:end] = k[:, path]
+                cache.v[li, :, start:end] = v[:, path]
+                moved = True
+            out[i] = attention(q[:, i : i + 1].contiguous(), cache.k[li, :, :end], cache.v[li, :, :end], None, self.scale)[0]
+        if moved:
+            cache.k[li, :, start : start + n] = k
+            cache.v[li, :, start : start + n] = v
+        return out
 
     @torch.inference_mode()
     def forward_static(self, ids: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor, length: torch.Tensor,
@@ -399,7 +465,7 @@ class LeanModel:
         n = ids.shape[0]
         H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         cos, sin = self.cos[positions], self.sin[positions]
-        x = self.embed[ids]
+        x = self.embed[ids] if isinstance(self.embed, torch.Tensor) else self.embed.index_select(0, ids).to(self.dtype)
         q_size, kv_size = H * D, KV * D
         inter = cfg.intermediate_size
         for li, L in enumerate(self.layers):
@@ -452,7 +518,10 @@ def load_safetensors_dir(model_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_lean(model_dir: Path, device="cpu", dtype=torch.float32, attention: str = "auto") -> LeanModel:
+def load_lean(model_dir: Path, device="cpu", dtype=torch.float32, attention: str = "auto", weights: str = "float",
+              log=lambda msg: None) -> LeanModel:
+    """The lean model from a Hugging Face-format directory. `weights` (config.WEIGHTS, resolved): "float" holds
+    every weight in `dtype`; "int8" / "int4" quantize the products (quant.py), once, into the model store."""
     raw = read_hf_config(model_dir)
     try:
         cfg = ModelConfig.from_hf(raw)
@@ -460,8 +529,19 @@ def load_lean(model_dir: Path, device="cpu", dtype=torch.float32, attention: str
         raise UserError(f"{model_dir}/config.json is not a usable model configuration (missing or bad {e}).") from None
     if cfg.arch not in SUPPORTED_ARCHS:
         raise UserError(f"architecture '{cfg.arch}' is not in the lean forward's family {SUPPORTED_ARCHS}")
-    weights = load_safetensors_dir(model_dir)
+    if weights in ("int8", "int4"):
+        from . import quant
+
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise UserError(f"{model_dir} has no .safetensors weights; convert the checkpoint to safetensors first.")
+        try:
+            quantized, floats = quant.load_or_build(model_dir, files, cfg, weights, log)
+            return LeanModel(cfg, floats, device, dtype, attention, quantized=quantized)
+        except KeyError as e:
+            raise UserError(f"{model_dir} lacks the weight {e}; the checkpoint is incomplete or not {cfg.arch}.") from None
+    tensors = load_safetensors_dir(model_dir)
     try:
-        return LeanModel(cfg, weights, device, dtype, attention)
+        return LeanModel(cfg, tensors, device, dtype, attention)
     except KeyError as e:
         raise UserError(f"{model_dir} lacks the weight {e}; the checkpoint is incomplete or not {cfg.arch}.") from None

@@ -208,7 +208,7 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
             "budget": str(engine.budget) if engine.budget is not None else ("auto" if engine.sources else "none"),
             "cost_curve_ms": engine.cost.to_dict() if engine.cost is not None else None,
             "kv_cache_bytes": engine.cache.nbytes, "peak_rss_bytes": _rss(), "model_fingerprint": rd.fingerprint,
-            "text_pending_tokens": len(stream.pending), "earlier_processes": history,
+            "weights": lm.weights, "text_pending_tokens": len(stream.pending), "earlier_processes": history,
             "longest_current_repeat": repeat, **({"stopped": stopped} if stopped else {}),
             # where each section's heading starts (output token index): resume checks its replay against it
             **({"sections": {"count": len(sched.plan.sections), "starts": list(sched.starts)},
@@ -381,11 +381,12 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
     # The run records the dtype it really uses: `auto` may have become bfloat16 for lack of memory, and a resume
     # must not pick another one when memory differs then.
     cfg.dtype = dtype_name(lm.dtype)
+    cfg.weights = lm.weights  # likewise: `auto` is float today, and a resume keeps the weights the text came from
     if planning:
         # the prompt is not known before the plan: check the weights and the document's KV cache against free
         # memory now, before any weight is read, as make_window does below for runs without planning
         make_window(cfg, lm, 0, Display("quiet"))  # its notices come once, below
-        load_weights(lm)
+        load_weights(lm, display.info)
         sections = plan_outline(cfg, lm, brief, display)
         if cfg.plan_only:
             fh = _open_out(out_path)
@@ -407,7 +408,7 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
                         "re-download or re-convert the model.")
     window = make_window(cfg, lm, len(ids) + (plan.pin_max if plan else 0), display)
     if lm.model is None:
-        load_weights(lm)
+        load_weights(lm, display.info)
     engine = build_engine(cfg, lm, window, len(ids) + cfg.tokens, display)
     sched = _schedule(engine, plan, lm, len(ids)) if plan else None
     out = _open_out(out_path)
@@ -485,7 +486,7 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
                 raise UserError(f"{rd.path / 'outline.json'} is damaged ({e}); the run cannot be resumed exactly, "
                                 "start it again with the same outline.") from None
         window = make_window(cfg, lm, len(rd.prompt_ids) + (plan.pin_max if plan else 0), display)
-        load_weights(lm)
+        load_weights(lm, display.info)
         engine = build_engine(cfg, lm, window, len(rd.prompt_ids) + cfg.tokens, display)
         sched = None
         if plan:

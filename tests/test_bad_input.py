@@ -9,6 +9,7 @@ a real tokenizer or transformers (a truncated weight file, a garbage .gguf) say 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -40,7 +41,7 @@ NUMERIC_BAD = [  # (option, value): every numeric option given a non-number, a n
     ("stop-on-loop", "8"),  # under the loop tracker's floor of 16
 ]
 NAMES_BAD = [("draft", "everything"), ("template", "poem"), ("device", "tpu"), ("dtype", "int4"), ("head-mode", "sideways"),
-             ("attention", "cuda-magic"),
+             ("attention", "cuda-magic"), ("weights", "int3"), ("weights", "float32"),
              ("dry-breakers", ""), ("dry-breakers", "\\n,")]  # an empty breaker: nothing, or after the last comma
 
 # (id, argv, expected exit status, stdin). {placeholders} are paths from the `world` fixture; {run} is a fresh
@@ -94,6 +95,7 @@ CASES = [
     ("model-dir-truncated-safetensors [loads tokenizer]", [*GEN, "--model", "{model_truncated}"], 1, None),
     ("model-gguf-garbage", [*GEN, "--model", "{gguf}"], 1, None),
     ("model-gguf-missing", [*GEN, "--model", "{tmp}/absent.gguf"], 1, None),
+    ("weights-int4-layer-the-kernel-cannot-pack", [*GEN, "--model", "{model_int4_unpackable}", "--weights", "int4"], 1, None),
     ("models-pull-unknown", ["models", "pull", "gpt-17"], 1, None),
     # bench: refused before any long work
     ("bench-unknown-method", ["bench", "--methods", "none,warp9"], 2, None),
@@ -209,6 +211,8 @@ def world(tmp_path_factory, default_model_dir) -> dict[str, Path]:
                                             b'"intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1}'})
     model_dir("model_notok", {"config.json": config, "model.safetensors": head})
     model_dir("model_truncated", {"config.json": config, "model.safetensors": head, **tokenizer})
+    odd = {**json.loads(config), "intermediate_size": 1540}  # K = 1540 inputs of the down projection: not a multiple of 32
+    model_dir("model_int4_unpackable", {"config.json": json.dumps(odd).encode(), "model.safetensors": head, **tokenizer})
 
     (t / "empty_dir").mkdir()
     w["empty_dir"] = t / "empty_dir"
@@ -332,6 +336,31 @@ def test_device_and_dtype_choices(monkeypatch):
     assert pick_device(Config(device="cpu", dtype="bfloat16"), said.append) == ("cpu", torch.bfloat16)
     assert len(said) == 1 and "token-exact" in said[0]
     assert pick_device(Config(device="cpu"), said.append) == ("cpu", torch.float32)
+
+
+def test_quantized_weights_are_refused_where_they_cannot_run(tmp_path):
+    """--weights int8/int4 needs the lean forward, the CPU and torch's kernels; anywhere else one sentence says
+    what to use instead (the text of a float run would not be the quantized one, so there is no silent switch)."""
+    from types import SimpleNamespace
+
+    from swiftwrite import quant
+    from swiftwrite.devices import pick_weights
+    from swiftwrite.errors import UserError
+    from swiftwrite.model import ModelConfig, read_hf_config
+    from tiny import tiny_hf_model
+
+    path, _ = tiny_hf_model("llama", out_dir=tmp_path / "m")
+    mcfg = ModelConfig.from_hf(read_hf_config(path))
+    assert pick_weights(Config(), "cuda", mcfg, False) == "float"  # auto: float everywhere
+    assert pick_weights(Config(weights="int4"), "cpu", mcfg, True) == "int4"
+    with pytest.raises(UserError, match="CPU kernels only; use --device cpu"):
+        pick_weights(Config(weights="int8"), "cuda", mcfg, True)
+    with pytest.raises(UserError, match="needs the lean forward.*use --weights float"):
+        pick_weights(Config(weights="int4"), "cpu", mcfg, False)
+    old_torch = SimpleNamespace(_weight_int8pack_mm=None)  # int8's kernel, not int4's
+    assert quant.kernel_missing("int8", old_torch) is None
+    assert "_convert_weight_to_int4pack_for_cpu" in quant.kernel_missing("int4", old_torch)
+    assert quant.kernel_missing("int4") is None  # this torch has both
 
 
 def test_attention_choices_say_why_they_fall_back(monkeypatch):

@@ -1,0 +1,180 @@
+"""What quantized weights cost and give, per --weights setting, on the default model, side by side in one run.
+
+    python bench/quant_cost.py --tokens 2000 --threads 2 --out bench/results/quant_cost-DATE.json
+    python bench/quant_cost.py --tokens 2000 --gguf /path/to/smollm2-135m.gguf   # plus a llama.cpp row
+
+For each setting (float, int8, int4 by default) a fresh process loads the model with those weights (so its
+peak resident memory is its own: loading included) and writes, with the novel template on prompts/lighthouse.txt
+and each sampler setting (greedy and seeded sampling, the penalty on, as `swiftwrite bench` runs them):
+  * tokens per second of `--draft none` and `--draft all` (automatic budget), tokens per forward, and the first
+    position where `all` leaves `none` (None = identical: speculation is exact against the same weights);
+  * the text's Distinct-1..4 and longest repeat (swiftwrite.metrics), and the first position where the
+    setting's `none` text leaves the float `none` text (quantized weights write another text);
+  * the bytes the setting keeps in the model store (the float safetensors, or the quantized file) and the
+    process's peak resident memory; load seconds. The first run of a setting also quantizes, once, from the
+    float weights (`quantized_now` in the JSON): its peak memory and load time include that; run twice.
+With --gguf and llama-cpp-python installed, a llama.cpp plain-decoding row on that GGUF (greedy only, its own
+sampler and no penalty: its speed is the comparison, not its text). Machine, date and settings go in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SETTINGS = ("float", "int8", "int4")
+SAMPLERS = ("greedy", "sample")
+
+
+def peak_rss_bytes() -> int | None:
+    """The process's resident high-water mark (VmHWM), loading included."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def one_setting(weights: str, tokens: int, threads: int, samplers: list[str]) -> dict:
+    """Runs in its own process: load with `weights`, then none and all per sampler setting."""
+    import torch
+
+    from swiftwrite import loading, prompt, quant, store
+    from swiftwrite.bench import SETTINGS as BENCH_SETTINGS, _one
+    from swiftwrite.config import Config
+    from swiftwrite.metrics import distinct, first_divergence, longest_repeat
+    from swiftwrite.ui import Display
+
+    torch.set_num_threads(threads)
+    display = Display("quiet")
+    built = weights != "float" and not quant.packed_path(store.locate("smollm2-135m"), weights).is_file()
+    t = time.perf_counter()
+    lm = loading.load(Config(weights=weights, threads=threads), display)
+    load_s = time.perf_counter() - t
+    path = lm.ref.path
+    store_bytes = sum(f.stat().st_size for f in Path(path).glob("*.safetensors")) if weights == "float" \
+        else quant.packed_path(path, weights).stat().st_size
+    brief = prompt.read_prompt(str(ROOT / "prompts" / "lighthouse.txt"))
+    ids = prompt.prompt_ids(lm.tok, prompt.apply_template(brief, "novel"), False)
+    _one("none", BENCH_SETTINGS["greedy"], ids, 16, lm, None, display)  # warm-up, untimed
+    rows = []
+    for sampler in samplers:
+        runs = {m: _one(m, BENCH_SETTINGS[sampler], ids, tokens, lm, None, display) for m in ("none", "all")}
+        for method, o in runs.items():
+            rows.append({
+                "weights": weights, "sampler": sampler, "method": method,
+                "tokens_per_second": round(tokens / o.seconds, 2), "seconds": round(o.seconds, 3),
+                "tokens_per_forward": round(tokens / o.forwards, 3) if o.forwards else None,
+                "accepted": o.per_source,
+                "first_diff_vs_none": first_divergence(o.tokens, runs["none"].tokens),
+                **distinct(o.tokens), "longest_repeat": longest_repeat(o.tokens),
+                "tokens": o.tokens,
+            })
+    # quantized_now: this process quantized the float weights (loaded whole), so its peak memory includes them
+    return {"weights": weights, "load_seconds": round(load_s, 2), "quantized_now": built, "store_bytes": store_bytes,
+            "peak_rss_bytes": peak_rss_bytes(), "prompt_tokens": len(ids), "model": str(path),
+            "fingerprint": lm.ref.fingerprint, "rows": rows}
+
+
+def llama_cpp_row(gguf: Path, tokens: int, threads: int) -> dict:
+    """llama.cpp plain decoding on the same GGUF, greedy. Needs `pip install llama-cpp-python` (a source build:
+    no binary wheel of it is on the package index for this platform, 2026-12-01), so not run by default."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return {"skipped": "llama-cpp-python is not installed"}
+    from swiftwrite import prompt
+
+    brief = prompt.read_prompt(str(ROOT / "prompts" / "lighthouse.txt"))
+    llm = Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, verbose=False)
+    messages = [{"role": "user", "content": prompt.apply_template(brief, "novel")}]
+    llm.create_chat_completion(messages=messages, max_tokens=16, temperature=0.0)  # warm-up
+    t = time.perf_counter()
+    out = llm.create_chat_completion(messages=messages, max_tokens=tokens, temperature=0.0)
+    secs = time.perf_counter() - t
+    n = out["usage"]["completion_tokens"]
+    return {"method": "llama.cpp plain (greedy, its sampler, no penalty)", "tokens": n,
+            "tokens_per_second": round(n / secs, 2), "seconds": round(secs, 3), "peak_rss_bytes": peak_rss_bytes()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--weights", default=",".join(SETTINGS), help="comma-separated: float, int8, int4")
+    ap.add_argument("--samplers", default=",".join(SAMPLERS), help="comma-separated: greedy, sample")
+    ap.add_argument("--gguf", type=Path, default=None, help="a GGUF for the optional llama.cpp row")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one setting, JSON on stdout
+    a = ap.parse_args()
+    samplers = a.samplers.split(",")
+    if a.one:
+        print(json.dumps(one_setting(a.one, a.tokens, a.threads, samplers)))
+        return
+    import torch
+
+    from swiftwrite.bench import machine
+
+    torch.set_num_threads(a.threads)  # what machine() reports; each setting's process sets it for itself
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+              "settings": {"tokens": a.tokens, "threads": a.threads, "samplers": samplers, "prompt": "lighthouse.txt",
+                           "template": "novel", "model": "smollm2-135m (default)",
+                           "note": "greedy / sample (0.7, min-p 0.1) as `swiftwrite bench`: penalty 1.2 over 1,024 tokens, "
+                                   "the default n-gram suppression"},
+              "results": []}
+    for w in a.weights.split(","):
+        t = time.perf_counter()
+        proc = subprocess.run([sys.executable, __file__, "--one", w, "--tokens", str(a.tokens), "--threads",
+                               str(a.threads), "--samplers", a.samplers], capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        if proc.returncode != 0:
+            report["results"].append({"weights": w, "error": proc.stderr.strip().splitlines()[-1:]})
+            print(f"{w}: failed: {proc.stderr.strip()[-400:]}", file=sys.stderr)
+            continue
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        res["process_seconds"] = round(time.perf_counter() - t, 1)
+        report["results"].append(res)
+    floats = {(r["sampler"]): r["tokens"] for res in report["results"] if res.get("weights") == "float"
+              for r in res.get("rows", []) if r["method"] == "none"}
+    from swiftwrite.metrics import first_divergence
+
+    for res in report["results"]:
+        for r in res.get("rows", []):
+            ref = floats.get(r["sampler"])
+            r["first_diff_vs_float_none"] = first_divergence(r["tokens"], ref) if ref is not None else None
+    if a.gguf is not None:
+        report["llama_cpp"] = llama_cpp_row(a.gguf, a.tokens, a.threads)
+    print(markdown(report))
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(report, indent=1))
+
+
+def markdown(report: dict) -> str:
+    lines = ["| weights | sampler | method | tok/s | tok/forward | all vs none | vs float none | D-1 | D-4 | longest repeat "
+             "| store MB | peak RSS MB |", "|---|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|"]
+    for res in report["results"]:
+        for r in res.get("rows", []):
+            lines.append(f"| {r['weights']} | {r['sampler']} | {r['method']} | {r['tokens_per_second']} | "
+                         f"{r['tokens_per_forward']} | {r['first_diff_vs_none']} | {r['first_diff_vs_float_none']} | "
+                         f"{r['distinct_1']} | {r['distinct_4']} | {r['longest_repeat']} | "
+                         f"{res['store_bytes'] / 1e6:.0f} | {(res['peak_rss_bytes'] or 0) / 1e6:.0f} |")
+    if "llama_cpp" in report:
+        lines.append(f"\nllama.cpp: {json.dumps(report['llama_cpp'])}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
