@@ -241,7 +241,8 @@ def _report(results, methods, settings, prompt_ids, tokens, repeats, lm) -> dict
         "date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": lm.ref.name, "fingerprint": lm.ref.fingerprint,
         "tokens": tokens, "repeats": repeats, "prompts": {k: len(v) for k, v in prompt_ids.items()},
         "settings": {s: SETTINGS[s] for s in settings}, "penalty_window": Config().penalty_window,
-        "note": "hf methods: transformers generate, repetition_penalty over the whole sequence (swiftwrite: last 1024 tokens); "
+        "note": "hf methods: transformers generate, repetition_penalty over the whole sequence (swiftwrite: last "
+                f"{Config().penalty_window} tokens); "
                 "their text differs, so no divergence check.",
         "rows": rows,
     }

@@ -39,7 +39,7 @@ def generate(
     min_p: Optional[str] = Opt(None, metavar="P", help="In [0, 1]; 0 = off (default 0.1)."),
     top_k: Optional[str] = Opt(None, metavar="K", help="0 = off (default)."),
     penalty: Optional[str] = Opt(None, metavar="THETA", help="Repetition penalty theta; 1 = off (default 1.2)."),
-    penalty_window: Optional[str] = Opt(None, metavar="W", help="Tokens the penalty looks back (default 1024)."),
+    penalty_window: Optional[str] = Opt(None, metavar="W", help="Tokens the penalty looks back (default 256)."),
     dry_multiplier: Optional[str] = Opt(None, metavar="M", help="N-gram repetition suppression strength; 0 = off (default 0.8)."),
     dry_base: Optional[str] = Opt(None, metavar="B", help="Its growth per repeated token, >= 1 (default 1.75)."),
     dry_allowed_length: Optional[str] = Opt(None, metavar="N", help="Repeats this long pass unpunished (default 3)."),

@@ -40,14 +40,17 @@ class Config:
     template: str = "none"  # novel | report | none: wrap the brief in a long-form instruction from prompts/
     raw: bool = False  # feed the prompt as plain text to continue, without the chat template
     seed: int = 0  # sampling seed in [0, 2^32); the noise at position p depends only on (seed, p)
-    # 0.7 with min-p 0.1 reads well on the 135M default model for ~3,000 tokens, then turns to word salad with
-    # the 1.2 penalty (README "Long texts"); at 1.0 it drifts into nonsense within a few hundred tokens.
+    # 0.7 with min-p 0.1 and the penalty over 256 tokens keeps the 135M default model's prose at its own level
+    # for 10,000 tokens (README "Long texts"); at 1.0 it drifts into nonsense within a few hundred tokens.
     temperature: float = 0.7  # 0 = greedy; >= 0
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
     min_p: float = 0.1  # in [0, 1]; keep tokens with p >= min_p * p_max (TokenSwift's long-form setting)
     top_k: int = 0  # 0 = off
     penalty: float = 1.2  # theta of the contextual penalty (TokenSwift); 1 = off; >= 1
-    penalty_window: int = 1024  # W: the penalty sees the last W tokens, prompt included
+    # W: the penalty sees the last W tokens, prompt included. 256, not TokenSwift's 1,024: over 1,024 tokens every
+    # common id is penalised, and the 135M default model turns to word salad within ~3,500 tokens; over 256 it
+    # stays prose (README "Long texts", bench/dry_sweep.py). Verbatim loops of any period are DRY's job.
+    penalty_window: int = 256
     # n-gram repetition suppression (DRY): a token that would continue a verbatim repeat of L >= allowed_length
     # tokens loses multiplier * base^(L - allowed_length) from its logit. Defaults from bench/dry_sweep.py
     dry_multiplier: float = 0.8  # 0 = off; >= 0
