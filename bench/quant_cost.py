@@ -126,13 +126,14 @@ def main():
     import torch
 
     from swiftwrite.bench import machine
+    from swiftwrite.config import Config
 
     torch.set_num_threads(a.threads)  # what machine() reports; each setting's process sets it for itself
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
               "settings": {"tokens": a.tokens, "threads": a.threads, "samplers": samplers, "prompt": "lighthouse.txt",
                            "template": "novel", "model": "smollm2-135m (default)",
-                           "note": "greedy / sample (0.7, min-p 0.1) as `swiftwrite bench`: penalty 1.2 over 1,024 tokens, "
-                                   "the default n-gram suppression"},
+                           "note": "greedy / sample (0.7, min-p 0.1) as `swiftwrite bench`: penalty 1.2 over "
+                                   f"{Config().penalty_window} tokens, the default n-gram suppression"},
               "results": []}
     for w in a.weights.split(","):
         t = time.perf_counter()
