@@ -23,7 +23,8 @@ TEMPLATES = ("novel", "report", "none")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # float: every weight in --dtype; int8 / int4: the linear layers and the LM head weight-only quantized (quant.py);
-# auto: float, until a quantized setting is measured to pay on a quiet machine (bench/quant_cost.py)
+# auto: float. int4 measured 2.1-2.3x float32 plain on the dev CPU (bench/quant_cost.py), but it writes another
+# text; auto moves to it once that text is checked at length (README "Quantized weights")
 WEIGHTS = ("auto", "float", "int8", "int4")
 # auto: on CUDA the Triton tree kernel for trees and flash-attn for prefill/decoding where installed, torch
 # on the CPU; torch: torch everywhere; triton / flash: ask for that kernel (a notice and torch if it can't run)
