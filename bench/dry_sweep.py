@@ -9,13 +9,14 @@ source, which is what lossless means, and the sweep measures text, not speed) th
 with `--threads` threads; `--jobs` runs go side by side (2 jobs x 1 thread fill this 2-core machine better
 than one job on 2 threads, and the text does not depend on how fast it was written). Per run: Distinct-1..4
 of the whole text and of every --segment tokens, the longest verbatim repeat (whole text and per segment,
-`metrics.longest_repeat`), Distinct-1 over every 500 tokens (prose of the default model: 0.55-0.7; word
+`metrics.longest_repeat`), the glued share per segment (`metrics.glued_share`: characters in 'words' of 17+
+letters; 0 for prose, 0.3-0.45 where words run together without spaces), Distinct-1 over every 500 tokens (prose of the default model: 0.55-0.7; word
 salad: 0.85-1.0; a template loop: under 0.3), seconds, and where the text first differs from the `off` run of the same prompt,
 mode and seed (how much the setting changes what would have been written).
 
 A config name is a list of settings joined by '-': mM (dry multiplier, m0 = off), bB (base), aA (allowed
 length), wW (DRY window, 0 = whole text), pP (penalty theta), qQ (penalty window), tT (temperature),
-nN (min-p).
+nN (min-p), fWHAT (what the penalty counts: ftoken, fword).
 `off` = DRY off with the
 default penalty (the old defaults); `default` = every default of this version.
 """
@@ -23,6 +24,7 @@ default penalty (the old defaults); `default` = every default of this version.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -33,10 +35,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from swiftwrite.metrics import distinct, distinct_per_window, first_divergence, longest_repeat  # noqa: E402
+from swiftwrite.metrics import (distinct, distinct_per_window, first_divergence, glued_share,  # noqa: E402
+                                longest_repeat)
 
 KEYS = {"m": "--dry-multiplier", "b": "--dry-base", "a": "--dry-allowed-length", "w": "--dry-window",
-        "p": "--penalty", "q": "--penalty-window", "t": "--temperature", "n": "--min-p"}
+        "p": "--penalty", "q": "--penalty-window", "t": "--temperature", "n": "--min-p",
+        "f": "--penalty-by"}
 PROMPTS = {"novel": ("lighthouse.txt", "novel"), "report": ("grid.txt", "report")}
 MODES = {"sample": [], "greedy": ["--temperature", "0"]}
 
@@ -49,9 +53,19 @@ def flags(config: str) -> list[str]:
     out = []
     for part in config.split("-"):
         if not part or part[0] not in KEYS:
-            sys.exit(f"dry_sweep: cannot read '{part}' in config '{config}' (use m, b, a, w, p, q, t, n)")
+            sys.exit(f"dry_sweep: cannot read '{part}' in config '{config}' (use m, b, a, w, p, q, t, n, f)")
         out += [KEYS[part[0]], part[1:]]
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizer():
+    """The default model's tokenizer, to read the glued share (a property of the text, not of the ids)."""
+    from transformers import AutoTokenizer
+
+    from swiftwrite.store import DEFAULT_MODEL, pull
+
+    return AutoTokenizer.from_pretrained(pull(DEFAULT_MODEL))
 
 
 def one(job: dict, a) -> dict:
@@ -75,30 +89,34 @@ def one(job: dict, a) -> dict:
     segs = []
     for lo in range(0, len(toks), a.segment):
         part = toks[lo : lo + a.segment]
-        segs.append({"from": lo, "to": lo + len(part), "longest_repeat": longest_repeat(part), **distinct(part)})
+        segs.append({"from": lo, "to": lo + len(part), "longest_repeat": longest_repeat(part), **distinct(part),
+                     "glued_share": glued_share(tokenizer().decode(part))})
     # Distinct-1 over 500-token windows: this model's prose reads 0.55-0.7; word salad (lists of words without
     # sentences, emoji strings) reads 0.85-1.0 and a template loop ("The light was going to be X.") under 0.3,
     # two failures Distinct-4 and the longest verbatim repeat both miss.
     d1 = distinct_per_window(toks, 500)
     print(f"{run.name}: {len(toks)} tokens, longest repeat {longest_repeat(toks)}, D-1/500 {d1}, "
-          f"min segment Distinct-4 {min(s['distinct_4'] for s in segs)}", file=sys.stderr, flush=True)
+          f"min segment Distinct-4 {min(s['distinct_4'] for s in segs)}, "
+          f"glued share per segment {[s['glued_share'] for s in segs]}", file=sys.stderr, flush=True)
     return {**job, "run": str(run), "tokens": len(toks), "longest_repeat": longest_repeat(toks), **distinct(toks),
             "min_segment_distinct_4": min(s["distinct_4"] for s in segs),
             "max_segment_longest_repeat": max(s["longest_repeat"] for s in segs), "distinct_1_per_500": d1,
+            "max_segment_glued_share": max(s["glued_share"] for s in segs),
             "segments": segs, "ids": toks}
 
 
 def markdown(rows: list[dict]) -> str:
     out = ["| config | prompt | mode | seed | Distinct-4 (whole) | min Distinct-4 per segment | longest repeat | "
-           "Distinct-1 per 500 tokens, min–max | first token that differs from `off` | seconds |",
-           "|---|---|---|---:|---:|---:|---:|---|---:|---:|"]
+           "Distinct-1 per 500 tokens, min–max | max glued share per segment | first token that differs from `off` | "
+           "seconds |", "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['config']} | {r['prompt']} | {r['mode']} | {r['seed']} | error: {r['error'][:80]} ||||||")
+            out.append(f"| {r['config']} | {r['prompt']} | {r['mode']} | {r['seed']} | error: {r['error'][:80]} |||||||")
             continue
         out.append(f"| {r['config']} | {r['prompt']} | {r['mode']} | {r['seed']} | {r['distinct_4']} | "
                    f"{r['min_segment_distinct_4']} | {r['longest_repeat']} | "
                    f"{min(r['distinct_1_per_500'], default=0)}–{max(r['distinct_1_per_500'], default=0)} | "
+                   f"{r.get('max_segment_glued_share', '-')} | "
                    f"{r.get('differs_from_off_at', '-')} | "
                    f"{r.get('seconds', '-')} |")
     return "\n".join(out)

@@ -24,6 +24,19 @@ def distinct_per_window(tokens: Sequence[int], window: int = 500) -> list[float]
     return [round(distinct_n(tokens[lo : lo + window], 1), 3) for lo in range(0, len(tokens) - window + 1, window)]
 
 
+GLUED_LETTERS = 17  # longer than "responsibilities" (16): English words this long are rare; glued words are not
+
+
+def glued_share(text: str, letters: int = GLUED_LETTERS) -> float:
+    """Share of the text's non-space characters that sit in 'words' (whitespace-separated) of at least `letters`
+    letters: 0 for prose; 0.3-0.45 where a small model glues words together without spaces
+    ("lifeselifebelovedlovely..."), which no token-level measure sees (the ids are ordinary word pieces)."""
+    words = text.split()
+    total = sum(len(w) for w in words)
+    glued = sum(len(w) for w in words if sum(c.isalpha() for c in w) >= letters)
+    return round(glued / total, 4) if total else 0.0
+
+
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first position where the sequences differ (a length mismatch counts), or None."""
     for i, (x, y) in enumerate(zip(a, b)):

@@ -2,7 +2,8 @@
 
 import pytest
 
-from swiftwrite.metrics import distinct, distinct_n, distinct_per_window, first_divergence, median, speedup
+from swiftwrite.metrics import (distinct, distinct_n, distinct_per_window, first_divergence, glued_share, median,
+                                speedup)
 
 
 def test_distinct_n_counts_unique_ngrams_over_all_ngrams():
@@ -29,6 +30,16 @@ def test_distinct_per_window_covers_whole_windows_in_order_and_separates_salad_f
     assert curve == [1.0, 1.0, round(5 / 500, 3)]  # the 3-token tail is not a whole window
     assert distinct_per_window(loop[:499], 500) == []
     assert distinct_per_window(salad, 250) == [1.0] * 4
+
+
+def test_glued_share_is_zero_for_prose_and_counts_the_characters_of_glued_words():
+    prose = "The keeper climbed the stairs at dusk, responsibilities heavy on him, and lit the lamp."
+    assert glued_share(prose) == 0.0  # a long real word (16 letters) is not glue
+    assert glued_share("") == 0.0
+    glued = "he said lifeselifebelovedlovely again"  # 23 of 34 non-space characters in the glued word
+    assert glued_share(glued) == round(23 / 34, 4)
+    assert glued_share("a " * 50 + "x" * 17) == round(17 / 67, 4)
+    assert glued_share("well-known,not-quite-a-word-at-all") == 1.0  # letters counted, not characters
 
 
 def test_first_divergence_finds_the_first_differing_position():
