@@ -8,12 +8,17 @@ Per run: tokens written, Distinct-1..4 and the longest verbatim repeat of the wh
 --segment tokens, and Distinct-1 over every 500 tokens. This model's prose reads 0.55-0.7 there; word salad
 (lists of words without sentences, glued words, emoji) 0.85-1.0, and a template loop ("The light was going
 to be water. ... The light was going to be fire. ...") under 0.3. Both failures leave Distinct-4 high and the
-longest repeat short, so a run can look healthy by those two and be unreadable. Reads tokens only: no model.
+longest repeat short, so a run can look healthy by those two and be unreadable. Per 500 tokens of decoded text
+too: the glued share (`metrics.glued_share`: characters in 'words' of 17+ letters; 0 for prose, 0.3-0.6 where
+words run together without spaces) and the capitalised share (`metrics.capitalised_share`: words starting with
+a capital; 0.05-0.15 for prose, 0.3-0.6 in streams of Capitalised Words), with where each first passes 0.15
+and 0.25. Reads the token files and the default model's tokenizer: no model runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -21,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from swiftwrite.metrics import distinct, distinct_per_window, longest_repeat  # noqa: E402
+from swiftwrite.metrics import (capitalised_share, distinct, distinct_per_window, glued_share,  # noqa: E402
+                                longest_repeat)
 from swiftwrite.rundir import RunDir  # noqa: E402
 
 WINDOW = 500
@@ -33,13 +39,31 @@ def quality(run: Path, segment: int) -> dict:
     d1 = distinct_per_window(toks, WINDOW)
     segs = [{"from": a, "to": min(a + segment, len(toks)), "longest_repeat": longest_repeat(toks[a : a + segment]),
              **distinct(toks[a : a + segment])} for a in range(0, len(toks), segment)]
-    keys = ("temperature", "min_p", "penalty", "penalty_window", "dry_multiplier", "dry_base", "dry_allowed_length",
+    keys = ("temperature", "min_p", "penalty", "penalty_window", "penalty_by", "context", "weights", "dry_multiplier", "dry_base", "dry_allowed_length",
             "dry_window", "seed", "template", "draft")
     return {"run": str(run), "tokens": len(toks), "settings": {k: config.get(k) for k in keys},
             "longest_repeat": longest_repeat(toks), **distinct(toks),
             f"distinct_1_per_{WINDOW}": d1,
             f"first_{WINDOW}_window_over_0.85": next((i * WINDOW for i, x in enumerate(d1) if x > 0.85), None),
-            "segments": segs}
+            **text_shares(toks), "segments": segs}
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from swiftwrite.store import DEFAULT_MODEL, pull
+
+    return AutoTokenizer.from_pretrained(pull(DEFAULT_MODEL))
+
+
+def text_shares(toks: list[int]) -> dict:
+    """Glued and capitalised shares of each whole WINDOW-token stretch, and where each first passes its mark."""
+    texts = [tokenizer().decode(toks[lo : lo + WINDOW]) for lo in range(0, len(toks) - WINDOW + 1, WINDOW)]
+    glued, caps = [glued_share(t) for t in texts], [capitalised_share(t) for t in texts]
+    return {f"glued_share_per_{WINDOW}": glued, f"capitalised_share_per_{WINDOW}": caps,
+            "first_glued_over_0.15": next((i * WINDOW for i, x in enumerate(glued) if x > 0.15), None),
+            "first_capitalised_over_0.25": next((i * WINDOW for i, x in enumerate(caps) if x > 0.25), None)}
 
 
 def main():
@@ -51,7 +75,8 @@ def main():
     rows = [quality(r, a.segment) for r in a.runs]
     for r in rows:
         print(f"{Path(r['run']).name}: {r['tokens']} tokens, longest repeat {r['longest_repeat']}, Distinct-4 "
-              f"{r['distinct_4']}, Distinct-1 per {WINDOW}: {r[f'distinct_1_per_{WINDOW}']}")
+              f"{r['distinct_4']}, Distinct-1 per {WINDOW}: {r[f'distinct_1_per_{WINDOW}']}, glued > 0.15 from "
+              f"{r['first_glued_over_0.15']}, capitalised > 0.25 from {r['first_capitalised_over_0.25']}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows}, indent=1))
 

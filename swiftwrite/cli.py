@@ -40,7 +40,6 @@ def generate(
     top_k: Optional[str] = Opt(None, metavar="K", help="0 = off (default)."),
     penalty: Optional[str] = Opt(None, metavar="THETA", help="Repetition penalty theta; 1 = off (default 1.2)."),
     penalty_window: Optional[str] = Opt(None, metavar="W", help="Tokens the penalty looks back (default 256)."),
-    penalty_by: Optional[str] = Opt(None, metavar="WHAT", help="What the penalty counts as seen: token (each id, default) or word (every form of a word: ' Love', 'love')."),
     dry_multiplier: Optional[str] = Opt(None, metavar="M", help="N-gram repetition suppression strength; 0 = off (default 0.8)."),
     dry_base: Optional[str] = Opt(None, metavar="B", help="Its growth per repeated token, >= 1 (default 1.75)."),
     dry_allowed_length: Optional[str] = Opt(None, metavar="N", help="Repeats this long pass unpunished (default 3)."),
@@ -78,7 +77,7 @@ def generate(
     from .writer import generate as run
 
     flags = dict(model=model, tokens=tokens, template=template, raw=raw, seed=seed, temperature=temperature,
-                 top_p=top_p, min_p=min_p, top_k=top_k, penalty=penalty, penalty_window=penalty_window, penalty_by=penalty_by,
+                 top_p=top_p, min_p=min_p, top_k=top_k, penalty=penalty, penalty_window=penalty_window,
                  dry_multiplier=dry_multiplier, dry_base=dry_base, dry_allowed_length=dry_allowed_length,
                  dry_window=dry_window, dry_breakers=dry_breakers, stop_on_loop=stop_on_loop,
                  stop_at_eos=stop_at_eos, chunk=chunk, draft=draft, budget=budget, static_tree=static_tree,

@@ -29,7 +29,6 @@ WEIGHTS = ("auto", "float", "int8", "int4")
 # auto: on CUDA the Triton tree kernel for trees and flash-attn for prefill/decoding where installed, torch
 # on the CPU; torch: torch everywhere; triton / flash: ask for that kernel (a notice and torch if it can't run)
 ATTENTIONS = ("auto", "torch", "triton", "flash")
-PENALTY_BY = ("token", "word")  # what the contextual penalty counts as seen: an id, or every form of a word
 MIN_LOOP = 16  # shortest --stop-on-loop: the loop tracker's floor (repetition.Repeats min_len of the alarm)
 MAX_SECTIONS = 200  # outline.MAX_SECTIONS, repeated so that reading options stays light
 MAX_TOKENS = 10_000_000  # far past any model's usefulness; catches a typo'd extra zero or two
@@ -53,11 +52,6 @@ class Config:
     # common id is penalised, and the 135M default model turns to word salad within ~3,500 tokens; over 256 it
     # stays prose (README "Long texts", bench/dry_sweep.py). Verbatim loops of any period are DRY's job.
     penalty_window: int = 256
-    # what the penalty counts as already seen: "token" (TokenSwift: each token id) or "word" (every form of a word
-    # is one: " Love", "love", "LOVE"; punctuation and numbers stay per id). By id, a penalised " love" leaves its
-    # unspaced twin "love" free, and past ~10K tokens the text glues into "lifeselifebelovedlovely" (README
-    # "Long texts").
-    penalty_by: str = "token"
     # n-gram repetition suppression (DRY): a token that would continue a verbatim repeat of L >= allowed_length
     # tokens loses multiplier * base^(L - allowed_length) from its logit. Defaults from bench/dry_sweep.py
     dry_multiplier: float = 0.8  # 0 = off; >= 0
@@ -117,7 +111,6 @@ class Config:
         need(self.top_k >= 0, "top_k", "must be 0 (off) or positive")
         need(self.penalty >= 1, "penalty", "must be at least 1 (1 turns it off)")
         need(self.penalty_window >= 0, "penalty_window", "must be 0 or a positive number of tokens")
-        need(self.penalty_by in PENALTY_BY, "penalty_by", f"must be one of {', '.join(PENALTY_BY)}")
         need(self.dry_multiplier >= 0, "dry_multiplier", "must be 0 (off) or positive")
         need(self.dry_base >= 1, "dry_base", "must be at least 1")
         need(self.dry_allowed_length >= 1, "dry_allowed_length", "must be at least 1 token")
@@ -156,7 +149,7 @@ class Config:
 FIELDS = {f.name: f for f in fields(Config)}
 
 # What a run directory saved before an option existed meant: a resumed run keeps writing the text it started.
-LEGACY = {"penalty_by": "token", "dry_multiplier": 0.0, "stop_on_loop": 0, "weights": "float"}
+LEGACY = {"dry_multiplier": 0.0, "stop_on_loop": 0, "weights": "float"}
 
 _ESCAPES = {"n": "\n", "t": "\t", ",": ",", "\\": "\\"}
 

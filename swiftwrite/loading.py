@@ -209,31 +209,11 @@ def dry_settings(cfg: Config, tok, vocab: int) -> "DrySettings":
 
 
 @functools.lru_cache(maxsize=4)
-def _texts(tok, vocab: int) -> tuple[str, ...]:
-    """Each id's text. Decoding the whole vocabulary takes ~0.4 s: once per tokenizer, not once per engine (bench
-    and the long-run probe build one engine per method)."""
-    return tuple(tok.batch_decode([[i] for i in range(min(vocab, len(tok)))]))
-
-
 def _breaker_ids(tok, strings: tuple[str, ...], vocab: int) -> tuple[int, ...]:
-    return tuple(i for i, t in enumerate(_texts(tok, vocab)) if any(b in t for b in strings))
-
-
-@functools.lru_cache(maxsize=4)
-def _word_forms(tok, vocab: int) -> tuple[int, ...]:
-    return word_forms(_texts(tok, vocab), vocab)
-
-
-def word_forms(texts, vocab: int) -> tuple[int, ...]:
-    """The penalty's class of each id for --penalty-by word: ids whose text is one word up to surrounding
-    spaces and case (" Love", "love", "LOVE", "love " ...) share the smallest such id; every other id (punctuation,
-    numbers, mixed pieces, ids past the tokenizer's texts) is a class of its own."""
-    forms, first = list(range(vocab)), {}
-    for i, t in enumerate(texts):
-        w = t.strip()
-        if w.isalpha():
-            forms[i] = first.setdefault(w.lower(), i)
-    return tuple(forms)
+    """Decoding the whole vocabulary takes ~0.4 s: once per tokenizer, not once per engine (bench and the long-run
+    probe build one engine per method)."""
+    texts = tok.batch_decode([[i] for i in range(min(vocab, len(tok)))])
+    return tuple(i for i, t in enumerate(texts) if any(b in t for b in strings))
 
 
 def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, display: Display) -> "Engine":
@@ -248,9 +228,7 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
     stops = suppressed_ids(lm.tok, model.cfg)
     settings = SamplerSettings(
         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
-        penalty=cfg.penalty, window=cfg.penalty_window,
-        forms=_word_forms(lm.tok, model.cfg.vocab_size) if cfg.penalty_by == "word" and lm.tok is not None else (),
-        suppress=() if cfg.stop_at_eos else stops, seed=cfg.seed,
+        penalty=cfg.penalty, window=cfg.penalty_window, suppress=() if cfg.stop_at_eos else stops, seed=cfg.seed,
         dry=dry_settings(cfg, lm.tok, model.cfg.vocab_size),
     )
     names = [] if cfg.draft == "none" else (list(SOURCES) if cfg.draft == "all" else [cfg.draft])

@@ -31,8 +31,6 @@ class SamplerSettings:
     min_p: float = 0.0  # 0 = off; keep tokens with p >= min_p * p_max
     penalty: float = 1.0  # theta; 1 = off
     window: int = 1024  # penalty window W in tokens (prompt included)
-    # the penalty's class of each vocabulary id (a word's forms share one: loading.word_forms); () = each id alone
-    forms: tuple[int, ...] = ()
     suppress: tuple[int, ...] = ()  # token ids never chosen (end-of-text until the target is reached)
     seed: int = 0
     dry: DrySettings = field(default_factory=DrySettings)  # n-gram repetition suppression; off by default here
@@ -46,11 +44,6 @@ class Sampler:
         self._noise: dict[int, torch.Tensor] = {}
         self._suppress = torch.tensor(s.suppress, dtype=torch.long, device=device) if s.suppress else None
         self.dry = Dry(s.dry, vocab) if s.dry.on else None
-        self._forms = None
-        if s.forms:
-            if len(s.forms) != vocab or min(s.forms) < 0 or max(s.forms) >= vocab:
-                raise ValueError(f"forms must give a class in [0, {vocab}) for each of the {vocab} ids")
-            self._forms = torch.tensor(s.forms, dtype=torch.long, device=device)
 
     @property
     def greedy(self) -> bool:
@@ -65,17 +58,11 @@ class Sampler:
         continues history + its ancestors at depths 1..d, so its window is the last W tokens of that:
         history[N-W+d:] plus those ancestors. Only a handful of distinct depths exist, so the history part is
         one bincount plus a small correction per depth; the ancestor part is one scatter.
-
-        With word forms, ids are mapped to their class first and the answer read back per id, so an id counts
-        as seen when any form of its word is in the window; the same code runs for the plain step and every node.
         """
         W, N, V = self.s.window, history.shape[0], self.vocab
         max_d = int(depth.max())
         lo = max(0, N - W)
         history = history[lo:].to(tokens.device)  # only the window is read (the history may be on the CPU)
-        forms = self._forms
-        if forms is not None:
-            history, tokens = forms[history], forms[tokens]
         N, lo = N - lo, 0
         counts = torch.bincount(history[lo:], minlength=V)
         rows = [counts > 0]
@@ -91,7 +78,7 @@ class Sampler:
             inside = anc & (depth.unsqueeze(0) >= 1) & (depth.unsqueeze(1) - depth.unsqueeze(0) < W)
             ii, jj = inside.nonzero(as_tuple=True)
             pres[ii, tokens[jj]] = True
-        return pres if forms is None else pres[:, forms]
+        return pres
 
     def process(self, logits: torch.Tensor, history: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor,
                 anc: torch.Tensor, parent: torch.Tensor | None = None) -> torch.Tensor:

@@ -41,7 +41,7 @@ NUMERIC_BAD = [  # (option, value): every numeric option given a non-number, a n
     ("stop-on-loop", "8"),  # under the loop tracker's floor of 16
 ]
 NAMES_BAD = [("draft", "everything"), ("template", "poem"), ("device", "tpu"), ("dtype", "int4"), ("head-mode", "sideways"),
-             ("attention", "cuda-magic"), ("weights", "int3"), ("weights", "float32"), ("penalty-by", "words"),
+             ("attention", "cuda-magic"), ("weights", "int3"), ("weights", "float32"),
              ("dry-breakers", ""), ("dry-breakers", "\\n,")]  # an empty breaker: nothing, or after the last comma
 
 # (id, argv, expected exit status, stdin). {placeholders} are paths from the `world` fixture; {run} is a fresh

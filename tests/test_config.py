@@ -83,10 +83,9 @@ def test_a_run_saved_before_an_option_existed_resumes_as_it_started():
     """A run directory written before n-gram suppression existed has no dry_* keys: resuming it must not
     switch the suppression on halfway (the text would no longer be what the run was writing)."""
     base = {k: v for k, v in Config(tokens=33).to_dict().items()
-            if not k.startswith("dry_") and k not in ("stop_on_loop", "weights", "penalty_by")}
+            if not k.startswith("dry_") and k not in ("stop_on_loop", "weights")}
     cfg = resolve(None, NO_FLAGS, environ={}, base=base)
     assert cfg.dry_multiplier == 0 and cfg.stop_on_loop == 0
-    assert cfg.penalty_by == "token"  # saved before word forms existed: the penalty it was written with
     assert cfg.weights == "float"  # saved before quantized weights existed: the float weights it was written with
     assert resolve(None, NO_FLAGS, environ={}, base=Config(tokens=33, weights="int4").to_dict()).weights == "int4"
     assert resolve(None, NO_FLAGS, environ={}, base=Config(tokens=33).to_dict()).dry_multiplier == Config().dry_multiplier
@@ -146,7 +145,7 @@ def test_missing_or_directory_or_binary_yaml_is_a_usage_error(tmp_path):
     ("budget", "0"), ("budget", "abc"), ("budget", "-3"), ("context", -1), ("threads", -1), ("threads", 10**6),
     ("seed", -1), ("seed", 1 << 32),
     ("draft", "everything"), ("template", "poem"), ("device", "tpu"), ("dtype", "int4"),
-    ("weights", "int2"), ("weights", "bfloat16"), ("penalty_by", "sentence"), ("penalty_by", ""),
+    ("weights", "int2"), ("weights", "bfloat16"),
     ("dry_multiplier", -0.5), ("dry_base", 0.9), ("dry_allowed_length", 0), ("dry_window", -1),
     ("dry_breakers", "\\n,,:"), ("stop_on_loop", 15), ("stop_on_loop", -1),
 ])

@@ -19,8 +19,6 @@ pays; of the tiny models, only qwen3 seed 1 keeps them high enough for every sou
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -327,50 +325,6 @@ def test_ngram_suppression_changes_the_text_so_the_lossless_tests_exercise_it(dr
         assert first_diff(without, refs[setting_id][0][:400]) is not None, setting_id
 
 
-# The penalty by word forms on: a node's window is read through the class table like plain decoding's. The
-# tiny models have no tokenizer, so a random grouping of their 128 ids into 16 classes stands in for " love" /
-# "love" / "Love"; exactness does not depend on which ids share a class.
-def _random_forms(seed: int, classes: int = 16) -> tuple[int, ...]:
-    rng = random.Random(seed)
-    label = [rng.randrange(classes) for _ in range(VOCAB)]
-    first = {}
-    return tuple(first.setdefault(c, i) for i, c in enumerate(label))
-
-
-FORMS = {
-    "greedy-forms-w32": SamplerSettings(penalty=1.3, window=32, forms=_random_forms(1)),
-    "sample-forms-w32-dry": SamplerSettings(temperature=0.8, min_p=0.1, penalty=1.3, window=32, seed=3,
-                                            forms=_random_forms(2), dry=DrySettings(0.8, 1.75, 3, 0, (5,))),
-}
-
-
-@pytest.fixture(scope="module")
-def forms_plain(models):
-    model = models("qwen3-s1", max_position_embeddings=REBUILD_CONTEXT)
-    prompt = prompt_for("qwen3-s1", REBUILD_PROMPT)
-    return model, prompt, {k: generate(model, prompt, s, n=DRY_N) for k, s in FORMS.items()}
-
-
-@pytest.mark.parametrize("draft_id", list(DRAFTS))
-@pytest.mark.parametrize("setting_id", list(FORMS))
-def test_speculative_equals_plain_with_the_penalty_by_word_forms_across_context_rebuilds(forms_plain, setting_id,
-                                                                                          draft_id):
-    model, prompt, refs = forms_plain
-    ref, ref_steps = refs[setting_id]
-    names, static = DRAFTS[draft_id]
-    got, steps = generate(model, prompt, FORMS[setting_id], names, static, budget=16, n=DRY_N)
-    assert_lossless(got, ref)
-    assert_drafts_accepted(steps, min_share=0.05, min_longest=2)
-    assert sum(s.rebuilt for s in steps) >= 3
-
-
-def test_word_forms_change_the_text_so_the_lossless_tests_exercise_them(forms_plain):
-    model, prompt, refs = forms_plain
-    for setting_id, s in FORMS.items():
-        by_id = generate(model, prompt, SamplerSettings(**{**s.__dict__, "forms": ()}), n=400)[0]
-        assert first_diff(by_id, refs[setting_id][0][:400]) is not None, setting_id
-
-
 def _resume_points():
     w = Window(REBUILD_CONTEXT, REBUILD_PROMPT)
     b = w.span(REBUILD_PROMPT + 1000)[1] - REBUILD_PROMPT  # output index of a rebuild boundary
@@ -508,20 +462,3 @@ def test_real_model_speculative_equals_plain(real, draft_id, setting_id):
     # Measured: recycling accepts 20-50 drafts in these 300 tokens; the n-gram table, with the penalty on and
     # little text yet written, 5-8.
     assert_drafts_accepted(steps, min_share=0.01 if draft_id == "ngram" else 0.05, min_longest=2)
-
-
-@pytest.mark.slow
-def test_real_model_speculative_equals_plain_with_the_penalty_by_word_forms(real, default_model_dir):
-    from transformers import AutoTokenizer
-
-    from swiftwrite.loading import word_forms
-
-    model, prompt, _ = real
-    tok = AutoTokenizer.from_pretrained(default_model_dir)
-    V = model.cfg.vocab_size
-    forms = word_forms(tok.batch_decode([[i] for i in range(min(V, len(tok)))]), V)
-    s = SamplerSettings(**{**REAL_SETTINGS["sampled"].__dict__, "window": 256, "forms": forms})
-    ref = generate(model, prompt, s, n=REAL_N, context=2048)[0]
-    got, steps = generate(model, prompt, s, ["recycling", "ngram"], budget=REAL_BUDGET, n=REAL_N, context=2048)
-    assert_lossless(got, ref)
-    assert_drafts_accepted(steps, min_share=0.05, min_longest=2)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from swiftwrite.metrics import (distinct, distinct_n, distinct_per_window, first_divergence, glued_share, median,
+from swiftwrite.metrics import (capitalised_share, distinct, distinct_n, distinct_per_window, first_divergence, glued_share, median,
                                 speedup)
 
 
@@ -40,6 +40,13 @@ def test_glued_share_is_zero_for_prose_and_counts_the_characters_of_glued_words(
     assert glued_share(glued) == round(23 / 34, 4)
     assert glued_share("a " * 50 + "x" * 17) == round(17 / 67, 4)
     assert glued_share("well-known,not-quite-a-word-at-all") == 1.0  # letters counted, not characters
+
+
+def test_capitalised_share_counts_words_that_start_with_a_capital():
+    assert capitalised_share("The keeper lit the lamp at dusk.") == round(1 / 7, 4)
+    assert capitalised_share("Just Want It Now so") == 0.8
+    assert capitalised_share("") == 0.0 and capitalised_share("12 -- 34") == 0.0
+    assert capitalised_share("Émile écrit") == 0.5  # letters beyond ASCII are words too
 
 
 def test_first_divergence_finds_the_first_differing_position():

@@ -45,23 +45,14 @@ def node_text(history: list[int], flat, i: int) -> list[int]:
     return history + chain[::-1]
 
 
-def brute_presence(history: list[int], flat, window: int, vocab: int, forms=None) -> torch.Tensor:
-    """Each node's window built explicitly: the last `window` tokens of its text. With `forms`, an id is seen
-    when any id of its class is in the window."""
-    forms = forms or list(range(vocab))
+def brute_presence(history: list[int], flat, window: int, vocab: int) -> torch.Tensor:
+    """Each node's window built explicitly: the last `window` tokens of its text."""
     out = torch.zeros(flat.tokens.shape[0], vocab, dtype=torch.bool)
     for i in range(flat.tokens.shape[0]):
         seq = node_text(history, flat, i)
-        seen = {forms[t] for t in (seq[-window:] if window > 0 else [])}
-        for t in range(vocab):
-            out[i, t] = forms[t] in seen
+        for t in seq[-window:] if window > 0 else []:
+            out[i, t] = True
     return out
-
-
-def random_forms(rng: random.Random, vocab: int, classes: int) -> list[int]:
-    """Ids grouped at random, each class named by its smallest id (what loading.word_forms builds)."""
-    label, first = [rng.randrange(classes) for _ in range(vocab)], {}
-    return [first.setdefault(c, i) for i, c in enumerate(label)]
 
 
 # (history length, window, deepest node): windows shorter than, equal to and longer than the history, and
@@ -99,52 +90,6 @@ def test_presence_equals_a_per_node_brute_force_when_the_tree_is_deeper_than_the
         flat.tokens[0] = history[-1]
         got = sampler.presence(torch.tensor(history), flat.tokens, flat.depth, flat.anc)
         assert torch.equal(got, brute_presence(history, flat, window, vocab))
-
-
-@pytest.mark.parametrize("case", list(PRESENCE_CASES))
-def test_presence_by_word_forms_equals_a_per_node_brute_force(case):
-    n_hist, window, max_depth = PRESENCE_CASES[case]
-    vocab, rng = 12, random.Random(f"forms-{case}")
-    for _ in range(20):
-        forms = random_forms(rng, vocab, rng.choice([1, 4, 8]))
-        sampler = Sampler(SamplerSettings(penalty=1.3, window=window, forms=tuple(forms)), vocab)
-        history = [rng.randrange(vocab) for _ in range(n_hist)]
-        flat = random_tree(rng, vocab, 30, max_depth)
-        flat.tokens[0] = history[-1]
-        got = sampler.presence(torch.tensor(history), flat.tokens, flat.depth, flat.anc)
-        assert torch.equal(got, brute_presence(history, flat, window, vocab, forms))
-
-
-def test_word_forms_join_a_word_across_spacing_and_case_and_leave_the_rest_alone():
-    from swiftwrite.loading import word_forms
-
-    texts = [" love", "love", "Love", " LOVE", "love ", ".", " .", "12", " 12", "lo ve", "loves", " Loves", "é", " É"]
-    forms = word_forms(texts, len(texts) + 2)  # two ids past the tokenizer's texts (padded vocabulary)
-    assert forms[:5] == (0, 0, 0, 0, 0)
-    assert forms[5:10] == (5, 6, 7, 8, 9)  # punctuation, numbers, a piece with a space inside: each alone
-    assert forms[10:12] == (10, 10) and forms[12:14] == (12, 12)
-    assert forms[14:] == (14, 15)
-
-
-def test_the_penalty_by_word_forms_pushes_down_every_form_of_a_word_in_the_window():
-    # ids: 0 " love", 1 "love", 2 "Love", 3 ".", 4 " sea"; history " sea love" -> ids 4, 1 (root)
-    forms = (0, 0, 0, 3, 4)
-    logits = torch.tensor([[4.0, 4.0, 4.0, 4.0, 4.0]])
-    root = DraftTree()
-    root.reset(1)
-    flat = root.select(0, 0)
-    by_id = Sampler(SamplerSettings(penalty=2.0, window=8), 5)
-    by_word = Sampler(SamplerSettings(penalty=2.0, window=8, forms=forms), 5)
-    history = torch.tensor([4, 1])
-    assert by_id.process(logits.clone(), history, flat.tokens, flat.depth, flat.anc).tolist() == [[4, 2, 4, 4, 2]]
-    assert by_word.process(logits.clone(), history, flat.tokens, flat.depth, flat.anc).tolist() == [[2, 2, 2, 4, 2]]
-
-
-def test_a_forms_table_that_does_not_fit_the_vocabulary_is_refused():
-    with pytest.raises(ValueError, match="forms"):
-        Sampler(SamplerSettings(penalty=1.2, forms=(0, 1, 2)), 5)
-    with pytest.raises(ValueError, match="forms"):
-        Sampler(SamplerSettings(penalty=1.2, forms=(0, 1, 2, 3, 9)), 5)
 
 
 def test_penalty_divides_positive_and_multiplies_negative_logits_of_tokens_in_the_window():
