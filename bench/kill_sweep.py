@@ -252,8 +252,9 @@ def random_plan(variant: str, modes: list[str], kills: int, refs: dict, rng_seed
 
 
 class Sweep:
-    def __init__(self, work: Path, model_dir: Path, log=print):
+    def __init__(self, work: Path, model_dir: Path, log=print, weights: str = "auto"):
         self.work = work
+        self.weights = weights  # --weights of every run (auto: the default's float, the tiny model has no GGUF)
         self.model_dir = model_dir
         self.home = work / "home"  # SWIFTWRITE_HOME of the children: cost curves land here, nothing else
         self.home.mkdir(parents=True, exist_ok=True)
@@ -278,6 +279,8 @@ class Sweep:
                 # A fixed tree: the automatic budget on a random tiny model rests at 0 most steps (its drafts
                 # rarely pay), and the sweep needs steps of several tokens to cut at the target and checkpoints.
                 "--budget", "16"]
+        if self.weights != "auto":
+            args += ["--weights", self.weights]
         if v.context:
             args += ["--context", str(v.context)]
         return args
@@ -471,7 +474,8 @@ def rebuild_boundaries(context: int, prompt_len: int, tokens: int) -> list[int]:
 
 def sweep(work: Path, tokenizer_dir: Path, *, kills: int = 40, tokens: int = 300, chunk: int = 16, seed: int = 0,
           slow: float = 0.2, context: int = 128, context_tokens: int = 600, context_kills: int | None = None,
-          create_kills: int = 1, modes=("greedy", "sampled"), context_modes=None, plan=None, log=print) -> dict:
+          create_kills: int = 1, modes=("greedy", "sampled"), context_modes=None, plan=None, weights: str = "auto",
+          log=print) -> dict:
     """Run the sweep in `work` and return the report. `plan`: a list of Points to run instead of the random
     schedule (each Point's variant must be "plain" or "context")."""
     t_start = time.monotonic()
@@ -481,7 +485,7 @@ def sweep(work: Path, tokenizer_dir: Path, *, kills: int = 40, tokens: int = 300
     variants = {"plain": Variant("plain", tokens, chunk), "context": Variant("context", context_tokens, chunk, context)}
     work.mkdir(parents=True, exist_ok=True)
     model = build_tiny_model(work / "tiny-model", tokenizer_dir, seed=0)
-    s = Sweep(work, Path(model["path"]), log)
+    s = Sweep(work, Path(model["path"]), log, weights)
 
     wanted = {(p.variant, p.mode) for p in plan} if plan is not None else \
         {("plain", m) for m in modes} | ({("context", m) for m in context_modes} if context_kills else set())
@@ -519,7 +523,7 @@ def sweep(work: Path, tokenizer_dir: Path, *, kills: int = 40, tokens: int = 300
         "command": " ".join([Path(sys.executable).name, *sys.argv]) if __name__ == "__main__" else None,
         "settings": {"tokens": tokens, "chunk": chunk, "seed": seed, "kills_per_mode": kills,
                      "create_kills_per_mode": create_kills, "slow_checkpoint_s": slow,
-                     "modes": {m: MODES[m] for m in modes}, "draft": "all", "penalty": "on (default 1.2)",
+                     "modes": {m: MODES[m] for m in modes}, "draft": "all", "weights": weights, "penalty": "on (default 1.2)",
                      "prompt": PROMPT.strip(), "context_variant": {"context": context, "tokens": context_tokens,
                                                                    "kills_per_mode": context_kills}},
         "model": model,
@@ -609,6 +613,8 @@ def main(argv=None) -> int:
                     "(default: the default model, pulled once if absent)")
     ap.add_argument("--work", type=Path, default=None, help="working directory (default: a temporary one, removed "
                     "unless a point failed)")
+    ap.add_argument("--weights", default="auto", choices=("auto", "float", "int8", "int4"),
+                    help="--weights of every run: int8 / int4 sweep the quantized path (default auto)")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     a = ap.parse_args(argv)
     if min(a.kills, a.create_kills, a.context_kills or 0) < 0 or min(a.tokens, a.chunk, a.context_tokens) < 1:
@@ -620,7 +626,8 @@ def main(argv=None) -> int:
     try:
         report = sweep(work, tok_dir, kills=a.kills, tokens=a.tokens, chunk=a.chunk, seed=a.seed, slow=a.slow,
                        context=a.context, context_tokens=a.context_tokens, context_kills=a.context_kills,
-                       create_kills=a.create_kills, log=lambda m: print(m, file=sys.stderr, flush=True))
+                       create_kills=a.create_kills, weights=a.weights,
+                       log=lambda m: print(m, file=sys.stderr, flush=True))
     finally:
         if a.work is None:
             if report is not None and not report["mismatches"]:
