@@ -57,6 +57,8 @@ class Loaded:
     attention: str = "auto"  # config.ATTENTIONS
     cuda_graphs: bool = False  # wrap the lean model in graphs.GraphedModel (checked: CUDA and the tree kernel)
     weights: str = "float"  # config.WEIGHTS resolved: float, int8 or int4
+    # said once the run starts (after every check of the input, so a refusal stays one sentence)
+    weights_note: str | None = None
 
 
 def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Loaded:
@@ -71,19 +73,20 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
         torch.set_num_threads(cfg.threads)
     mcfg, lean = _model_config(ref, display)
     weights = pick_weights(cfg, device, mcfg, lean)
+    note = None
     if cfg.weights == "auto":
         gguf_type = source_weights(ref.path)
         faster = quantized_option(gguf_type, device, mcfg, lean)
         if faster:
-            display.info(f"weights: float32, de-quantized from the model's {gguf_type} GGUF; --weights {faster} keeps "
-                         f"its own bits and writes ~2x as fast here, another text that decays sooner on long runs "
-                         f"(README \"Quantized weights\")")
+            note = (f"weights: float32, de-quantized from the model's {gguf_type} GGUF; --weights {faster} keeps its "
+                    f"own bits and writes ~2x as fast here, another text that decays sooner on long runs (README "
+                    f"\"Quantized weights\")")
     dtype = fit_dtype(cfg, mcfg, device, dtype, display.info) if weights == "float" else dtype
     graphs, notes = attention_notes(cfg, device, dtype)  # with the dtype the model will really have
     for note in notes:
         display.info(note)
     lm = _loaded(ref, mcfg, device, dtype, cfg.attention, graphs and lean)
-    lm.weights = weights
+    lm.weights, lm.weights_note = weights, note
     return lm
 
 
@@ -263,6 +266,9 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
         fixed = budget_mod.MAX_BUDGET
     engine = Engine(model, Sampler(settings, model.cfg.vocab_size, model.device), window, sources, stats,
                     budget=fixed, capacity=total + 1, stop_ids=stops if cfg.stop_at_eos else ())
+    if lm.weights_note:
+        display.info(lm.weights_note)
+        lm.weights_note = None  # once per run, not once per engine (bench builds one per method)
     display.info(f"KV cache: {human_bytes(engine.cache.nbytes)} for a {window.context}-token context on "
                  f"{lm.device}/{dtype_name(lm.dtype)}" + (f", {lm.weights} weights" if lm.weights != "float" else ""))
     return engine
