@@ -7,7 +7,6 @@ stay fast (see writer.py).
 from __future__ import annotations
 
 import re
-
 from typing import TYPE_CHECKING
 
 from .config import Config

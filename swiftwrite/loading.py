@@ -73,20 +73,20 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
         torch.set_num_threads(cfg.threads)
     mcfg, lean = _model_config(ref, display)
     weights = pick_weights(cfg, device, mcfg, lean)
-    note = None
+    weights_note = None
     if cfg.weights == "auto":
         gguf_type = source_weights(ref.path)
         faster = quantized_option(gguf_type, device, mcfg, lean)
         if faster:
-            note = (f"weights: float32, de-quantized from the model's {gguf_type} GGUF; --weights {faster} keeps its "
-                    f"own bits and writes ~2x as fast here, another text that decays sooner on long runs (README "
-                    f"\"Quantized weights\")")
+            weights_note = (f"weights: float32, de-quantized from the model's {gguf_type} GGUF; --weights {faster} "
+                            f"keeps its own bits and writes ~2x as fast here, another text that decays sooner on long "
+                            f"runs (README \"Quantized weights\")")
     dtype = fit_dtype(cfg, mcfg, device, dtype, display.info) if weights == "float" else dtype
     graphs, notes = attention_notes(cfg, device, dtype)  # with the dtype the model will really have
     for note in notes:
         display.info(note)
     lm = _loaded(ref, mcfg, device, dtype, cfg.attention, graphs and lean)
-    lm.weights, lm.weights_note = weights, note
+    lm.weights, lm.weights_note = weights, weights_note
     return lm
 
 
