@@ -40,6 +40,9 @@ for ctx in [int(c) for c in a.contexts.split(",")]:
 # Plain greedy decoding, same prompt, both implementations, interleaved twice.
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from swiftwrite.weightfiles import keep_float_copy  # noqa: E402
+
+keep_float_copy(ref.path)  # transformers reads safetensors: a GGUF store model's float copy
 hf = AutoModelForCausalLM.from_pretrained(str(ref.path), dtype=torch.float32).eval()
 prompt = torch.randint(100, 40000, (64,), generator=torch.Generator().manual_seed(1))
 rates = {"lean": [], "generate": []}

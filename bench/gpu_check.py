@@ -318,6 +318,9 @@ def main():
                 from transformers import AutoModelForCausalLM
 
                 if hf is None:
+                    from swiftwrite.weightfiles import keep_float_copy
+
+                    keep_float_copy(model if model.is_dir() else lm.ref.path)
                     hf = AutoModelForCausalLM.from_pretrained(str(model) if model.is_dir() else str(lm.ref.path),
                                                               dtype=lm.model.dtype).to(a.device).eval()
                 x = torch.tensor([prompt], device=a.device)

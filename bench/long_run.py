@@ -57,14 +57,18 @@ def write(a) -> list[dict]:
     interrupt = a.interrupt_at
     while True:
         t0 = time.time()
-        p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-        sent = False
-        while p.poll() is None:
-            time.sleep(1.0)
-            if interrupt and not sent and checkpoint_tokens(a.run) >= interrupt:
-                p.send_signal(signal.SIGINT)
-                sent = True
-        err = p.stderr.read()
+        # stderr to a file, not a pipe: a pipe read only at the end fills (64 KiB, ~650 progress lines, ~40K
+        # tokens) and then blocks the writer; the 2026-12-02 100K run stalled 12 minutes on it at 41K tokens.
+        log = a.run.with_suffix(f".stderr-{len(procs)}.log")
+        with open(log, "w") as fh:
+            p = subprocess.Popen(cmd, stderr=fh, text=True)
+            sent = False
+            while p.poll() is None:
+                time.sleep(1.0)
+                if interrupt and not sent and checkpoint_tokens(a.run) >= interrupt:
+                    p.send_signal(signal.SIGINT)
+                    sent = True
+        err = log.read_text(errors="replace")
         procs.append({"command": cmd[3], "exit": p.returncode, "seconds": round(time.time() - t0, 1),
                       "interrupted": sent, "stderr_tail": err.strip().splitlines()[-3:]})
         print(f"{cmd[3]}: exit {p.returncode} after {time.time() - t0:.0f}s", file=sys.stderr, flush=True)

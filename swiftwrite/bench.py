@@ -142,6 +142,9 @@ def run(methods: list[str], settings: list[str], prompts: list[Path], tokens: in
     if any(m.startswith("hf") for m in methods):
         from transformers import AutoModelForCausalLM
 
+        from .weightfiles import keep_float_copy
+
+        keep_float_copy(lm.ref.path)  # transformers reads safetensors: a GGUF store model's float copy
         hf = AutoModelForCausalLM.from_pretrained(str(lm.ref.path), dtype=torch.float32).eval()
     prompt_ids = {}
     for p in prompts:

@@ -91,7 +91,8 @@ def pick_weights(cfg: Config, device: str, mcfg: "ModelConfig", lean: bool) -> s
     """config.WEIGHTS resolved: "float", "int8" or "int4"; a quantized setting this model or machine cannot run is
     refused with one sentence (before any weight is read) rather than silently run as float, whose text differs.
     `auto` is float: int4 writes 2.1-2.3x as fast on the dev CPU, but its text turned to glued words sooner in 3 of
-    4 sampled 10K runs (README "Quantized weights"); open_model says so when a model came as a quantized GGUF."""
+    4 sampled 10K runs (README "Quantized weights"); open_model says so when a model came as a quantized GGUF, and
+    there runs the GGUF's own bits instead when its float weights would not fit the free memory."""
     if cfg.weights in ("auto", "float"):
         return "float"
     w = cfg.weights

@@ -77,7 +77,15 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
     if cfg.weights == "auto":
         gguf_type = source_weights(ref.path)
         faster = quantized_option(gguf_type, device, mcfg, lean)
-        if faster:
+        float_bytes = weight_bytes(mcfg, dtype) if faster else 0
+        free = free_memory(device) if faster else None
+        if faster and free is not None and float_bytes > 0.9 * free:
+            # An 8B GGUF on a 24 GB machine: float32 cannot load at all, the GGUF's own bits can.
+            weights = faster
+            weights_note = (f"weights: {faster}, the model's own {gguf_type} bits: its {dtype_name(dtype)} weights "
+                            f"({human_bytes(float_bytes)}) do not fit the {human_bytes(free)} free in RAM "
+                            "(--weights float to insist)")
+        elif faster:
             weights_note = (f"weights: float32, de-quantized from the model's {gguf_type} GGUF; --weights {faster} "
                             f"keeps its own bits and writes ~2x as fast here, another text that decays sooner on long "
                             f"runs (README \"Quantized weights\")")

@@ -529,19 +529,20 @@ def load_lean(model_dir: Path, device="cpu", dtype=torch.float32, attention: str
         raise UserError(f"{model_dir}/config.json is not a usable model configuration (missing or bad {e}).") from None
     if cfg.arch not in SUPPORTED_ARCHS:
         raise UserError(f"architecture '{cfg.arch}' is not in the lean forward's family {SUPPORTED_ARCHS}")
-    if weights in ("int8", "int4"):
-        from . import quant
+    from . import weightfiles
 
-        files = sorted(Path(model_dir).glob("*.safetensors"))
-        if not files:
-            raise UserError(f"{model_dir} has no .safetensors weights; convert the checkpoint to safetensors first.")
-        try:
-            quantized, floats = quant.load_or_build(model_dir, files, cfg, weights, log)
-            return LeanModel(cfg, floats, device, dtype, attention, quantized=quantized)
-        except KeyError as e:
-            raise UserError(f"{model_dir} lacks the weight {e}; the checkpoint is incomplete or not {cfg.arch}.") from None
-    tensors = load_safetensors_dir(model_dir)
+    source = weightfiles.open_weights(model_dir)
     try:
+        if weights in ("int8", "int4"):
+            from . import quant
+
+            quantized, floats = quant.load_or_build(model_dir, source, cfg, weights, log)
+            return LeanModel(cfg, floats, device, dtype, attention, quantized=quantized)
+        if isinstance(source, weightfiles.GGUFWeights):
+            tensors = weightfiles.load_all(source)
+            weightfiles.keep_float_copy(Path(model_dir), tensors, log)
+        else:
+            tensors = load_safetensors_dir(model_dir)
         return LeanModel(cfg, tensors, device, dtype, attention)
     except KeyError as e:
         raise UserError(f"{model_dir} lacks the weight {e}; the checkpoint is incomplete or not {cfg.arch}.") from None

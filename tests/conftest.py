@@ -23,6 +23,11 @@ def default_model_dir():
         except UserError as e:
             where = store.home() / "models"
             pytest.skip(f"default model {store.DEFAULT_MODEL} is not in {where} and could not be pulled: {e}")
+    # The tests compare with transformers, which reads safetensors: the store keeps the GGUF and writes this float
+    # copy for the first run that asks for float weights; here it is asked for up front, whatever runs first.
+    from swiftwrite.weightfiles import keep_float_copy
+
+    keep_float_copy(path)
     return path
 
 

@@ -1,0 +1,163 @@
+"""Does an 8B-shaped quantized GGUF fit and run on this machine? Memory and speed of `swiftwrite generate` on it.
+
+    python bench/big_model.py --out bench/results/big_model-DATE.json
+
+Builds, in --dir, a model with Llama-3-8B's layers (hidden 4096, 32 layers, 32 query / 8 key-value heads,
+feed-forward 14336, rope theta 500000) and the default model's tokenizer (49,152 ids, so 7.4B parameters
+instead of 8.0B), laid out as the store lays out an imported GGUF: config.json, the tokenizer, `model.gguf`.
+The GGUF's matrices are random Q4_0 blocks (a fixed fp16 scale, random 4-bit codes: the bytes and the
+de-quantizing work of a real Q4_0 file), its norms float32. Nothing is downloaded; the text it writes is noise.
+
+Then, in fresh processes (so each peak resident memory is its own), `swiftwrite generate --weights int4`:
+  1. the first run, which also quantizes the GGUF to the int4 kernel's layout a layer at a time;
+  2. a second run that reads the stored int4 file.
+Each row: wall seconds, the process's peak resident memory (its own rusage, from wait4), the run's own
+tokens/s, and the bytes on disk (the GGUF, the int4 file). Writes machine, date and
+settings beside the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SHAPE = dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, rope_theta=500000.0, context=8192)
+
+
+def write_model(d: Path, layers: int, default_dir: Path) -> int:
+    """config.json, the default tokenizer and a random Q4_0 `model.gguf` in `d`; returns the parameter count."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFWriter
+
+    from swiftwrite import store
+
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((default_dir / "config.json").read_text())
+    vocab = cfg["vocab_size"]
+    h, f, hd = SHAPE["hidden"], SHAPE["ffn"], SHAPE["hidden"] // SHAPE["heads"]
+    cfg.update(hidden_size=h, intermediate_size=f, num_hidden_layers=layers, num_attention_heads=SHAPE["heads"],
+               num_key_value_heads=SHAPE["kv_heads"], head_dim=hd, rope_theta=SHAPE["rope_theta"],
+               max_position_embeddings=SHAPE["context"], tie_word_embeddings=False, rms_norm_eps=1e-5)
+    cfg.pop("rope_scaling", None)
+    cfg["rope_parameters"] = {"rope_theta": SHAPE["rope_theta"], "rope_type": "default"}
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    for p in default_dir.iterdir():
+        if p.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
+            shutil.copy(p, d / p.name)
+
+    mats = {"token_embd.weight": (vocab, h), "output.weight": (vocab, h)}
+    for i in range(layers):
+        mats.update({f"blk.{i}.attn_q.weight": (h, h), f"blk.{i}.attn_k.weight": (SHAPE["kv_heads"] * hd, h),
+                     f"blk.{i}.attn_v.weight": (SHAPE["kv_heads"] * hd, h), f"blk.{i}.attn_output.weight": (h, h),
+                     f"blk.{i}.ffn_gate.weight": (f, h), f"blk.{i}.ffn_up.weight": (f, h),
+                     f"blk.{i}.ffn_down.weight": (h, f)})
+    norms = [f"blk.{i}.{n}.weight" for i in range(layers) for n in ("attn_norm", "ffn_norm")] + ["output_norm.weight"]
+    w = GGUFWriter(str(d / "model.gguf"), "llama")
+    w.add_context_length(SHAPE["context"])
+    w.add_embedding_length(h)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(f)
+    w.add_head_count(SHAPE["heads"])
+    w.add_head_count_kv(SHAPE["kv_heads"])
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(SHAPE["rope_theta"])
+    for name, (rows, cols) in mats.items():  # Q4_0: per 32 inputs an fp16 scale and 16 bytes of 4-bit codes
+        w.add_tensor_info(name, (rows, cols // 32 * 18), np.dtype(np.uint8), rows * cols // 32 * 18, raw_dtype=T.Q4_0)
+    for name in norms:
+        w.add_tensor_info(name, (h,), np.dtype(np.float32), h * 4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(0)
+    scale = np.frombuffer(np.float16(0.004).tobytes(), dtype=np.uint8)  # codes -8..7 -> weights within ±0.032
+    for name, (rows, cols) in mats.items():  # one matrix at a time (at most 113 MB of blocks): the writer streams
+        blocks = rng.integers(0, 256, (rows, cols // 32, 18), dtype=np.uint8)
+        blocks[:, :, :2] = scale
+        w.write_tensor_data(blocks.reshape(rows, -1))
+    for _ in norms:
+        w.write_tensor_data(np.ones(h, dtype=np.float32))
+    w.close()
+    meta = {"name": d.name, "source": "bench/big_model.py (random Q4_0)", "gguf_weights": "Q4_0"}
+    meta["fingerprint"] = store._compute_fingerprint(d)
+    (d / store.META_FILE).write_text(json.dumps(meta, indent=2))
+    return sum(r * c for r, c in mats.values()) + len(norms) * h
+
+
+def run_once(d: Path, prompt: Path, tokens: int, threads: int, stats: Path) -> dict:
+    cmd = [sys.executable, "-m", "swiftwrite.cli", "generate", str(prompt), "--model", str(d), "--weights", "int4",
+           "--tokens", str(tokens), "--draft", "none", "--threads", str(threads), "--temperature", "0",
+           "--run-dir", str(stats.with_suffix("")), "--stats-json", str(stats), "--quiet",
+           "--out", str(stats.with_suffix(".txt"))]
+    t0 = time.perf_counter()
+    err = open(stats.with_suffix(".stderr"), "w+")
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+    _, status, usage = os.wait4(p.pid, 0)  # this child's own rusage: its peak resident memory, loading included
+    wall = time.perf_counter() - t0
+    err.seek(0)
+    row = {"command": " ".join(cmd[3:]), "rc": os.waitstatus_to_exitcode(status), "wall_s": round(wall, 1),
+           "peak_rss_mib": round(usage.ru_maxrss / 1024), "stderr_tail": err.read()[-600:]}
+    if row["rc"] == 0 and stats.is_file():
+        s = json.loads(stats.read_text())
+        row.update(tokens=s.get("tokens"), tok_s=s.get("tokens_per_second"), seconds=s.get("seconds"))
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dir", default="/tmp/swiftwrite-big-8b")
+    ap.add_argument("--layers", type=int, default=SHAPE["layers"])
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--keep", action="store_true", help="keep the model directory and its int4 file")
+    a = ap.parse_args()
+
+    from swiftwrite import quant, store
+
+    default_dir = store.pull(store.DEFAULT_MODEL)
+    d = Path(a.dir)
+    t0 = time.perf_counter()
+    params = write_model(d, a.layers, default_dir)
+    build_s = time.perf_counter() - t0
+    prompt = d / "prompt.txt"
+    prompt.write_text("A lighthouse keeper finds a message in a bottle.\n")
+    report = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                   f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') >> 30} GiB",
+        "shape": {**SHAPE, "layers": a.layers, "vocab": json.loads((d / "config.json").read_text())["vocab_size"]},
+        "parameters": params, "gguf_bytes": (d / "model.gguf").stat().st_size, "gguf_build_s": round(build_s, 1),
+        "settings": {"tokens": a.tokens, "threads": a.threads, "weights": "int4", "draft": "none", "greedy": True},
+        "runs": [],
+    }
+    for label in ("first (quantizes the GGUF)", "second (reads the int4 file)"):
+        row = run_once(d, prompt, a.tokens, a.threads, d / f"stats-{len(report['runs'])}.json")
+        row["run"] = label
+        report["runs"].append(row)
+        print(json.dumps(row)[:400], flush=True)
+        if row["rc"] != 0:
+            break
+    packed = quant.packed_path(d, "int4")
+    report["int4_bytes"] = packed.stat().st_size if packed.is_file() else None
+    report["float_copy_written"] = any(d.glob("*.safetensors"))
+    Path(a.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
+    if not a.keep:
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(packed.parent, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
