@@ -171,8 +171,8 @@ def import_gguf(gguf_path: Path, name: str, source: str, log=lambda msg: None, d
         cfg = _gguf_config(gguf_path)
         kind = gguf_weight_type(gguf_path)
         if cfg.get("model_type") in SUPPORTED_ARCHS:
-            log(f"importing {gguf_path.name} as it is ({kind or 'its own types'}; no float copy until a run asks "
-                "for float weights)")
+            log(f"importing {gguf_path.name} as it is ({kind or 'its own types'})"
+                + ("" if float_copy else "; no float copy until a run asks for float weights"))
             tok = _gguf_tokenizer(gguf_path)
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
             tok.save_pretrained(str(tmp))
