@@ -12,7 +12,9 @@ longest repeat short, so a run can look healthy by those two and be unreadable. 
 too: the glued share (`metrics.glued_share`: characters in 'words' of 17+ letters; 0 for prose, 0.3-0.6 where
 words run together without spaces) and the capitalised share (`metrics.capitalised_share`: words starting with
 a capital; 0.05-0.15 for prose, 0.3-0.6 in streams of Capitalised Words), with where each first passes 0.15
-and 0.25. Reads the token files and the default model's tokenizer: no model runs.
+and 0.25. A run written from an outline gets the same per section too: its title, where its heading starts,
+its length against its budget, and whether its heading sits at a paragraph or sentence boundary. Reads the
+token files and the default model's tokenizer: no model runs.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ WINDOW = 500
 
 def quality(run: Path, segment: int) -> dict:
     with RunDir.open(run) as rd:
-        toks, config = list(rd.tokens), dict(rd.config)
+        toks, config, outline = list(rd.tokens), dict(rd.config), rd.outline
     d1 = distinct_per_window(toks, WINDOW)
     segs = [{"from": a, "to": min(a + segment, len(toks)), "longest_repeat": longest_repeat(toks[a : a + segment]),
              **distinct(toks[a : a + segment])} for a in range(0, len(toks), segment)]
@@ -45,7 +47,33 @@ def quality(run: Path, segment: int) -> dict:
             "longest_repeat": longest_repeat(toks), **distinct(toks),
             f"distinct_1_per_{WINDOW}": d1,
             f"first_{WINDOW}_window_over_0.85": next((i * WINDOW for i, x in enumerate(d1) if x > 0.85), None),
-            **text_shares(toks), "segments": segs}
+            **text_shares(toks), "segments": segs, **({"sections": sections(toks, outline)} if outline else {})}
+
+
+def sections(toks: list[int], outline: dict) -> list[dict]:
+    """Per section of an outlined run: where the rule put its heading (replayed from the tokens, as resume does),
+    its length against its budget, and the text measures of what the model wrote under it."""
+    from swiftwrite import outline as outlines
+
+    plan = outlines.Plan.from_json(outline)
+    sched = outlines.Schedule(plan, outlines.ender_ids(tokenizer(), len(tokenizer())))
+    sched.replay(toks)
+    starts = sched.starts + [len(toks)]
+    out = []
+    for k, (sec, budget) in enumerate(zip(plan.sections, plan.budgets)):
+        if k >= len(sched.starts):
+            break
+        a, b = starts[k], starts[k + 1]
+        body = toks[a + len(plan.headings[k]) : b]
+        before = tokenizer().decode(toks[max(0, a - 1) : a]) if a else ""
+        out.append({"section": k + 1, "title": sec.title, "start": a, "tokens": b - a, "budget": budget,
+                    "within_10_percent": abs((b - a) - budget) <= 0.1 * budget,
+                    "heading_after": "start" if a == 0 else ("paragraph" if "\n" in before else
+                                                             "sentence" if outlines.is_ender(before) else "cut"),
+                    "longest_repeat": longest_repeat(body), **distinct(body),
+                    "glued_share": glued_share(tokenizer().decode(body)),
+                    "capitalised_share": capitalised_share(tokenizer().decode(body))})
+    return out
 
 
 @functools.lru_cache(maxsize=1)

@@ -269,3 +269,42 @@ def test_suppressed_tokens_are_never_chosen_even_from_inference_mode_logits():
     flat = DraftTree().select(0, 0)
     proc = sampler.process(logits, torch.tensor([0]), flat.tokens, flat.depth, flat.anc)
     assert int(sampler.choose(proc, [0])) != int(logits.argmax())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_penalties_never_promote_a_token_the_model_finds_implausible(temperature):
+    """With `plausible` r, a token whose probability before the penalties is under r x the top one is never
+    chosen, however hard the penalty and the n-gram suppression push the plausible ones down; without it the
+    same penalties do promote such tokens (so the test exercises the rule)."""
+    from swiftwrite.repetition import DrySettings
+
+    vocab, r = 30, 0.05
+    gen = torch.Generator().manual_seed(11)
+    history = torch.tensor(list(range(8)) * 6)  # ids 0-7 seen, and a verbatim repeat DRY pushes hard against
+    flat = DraftTree().select(0, 0)
+    promoted = 0
+    for row in range(300):
+        logits = torch.randn(1, vocab, generator=gen)
+        logits[0, :8] += 6.0  # the seen ids are what the model likes most
+        base = dict(temperature=temperature, min_p=0.1 if temperature else 0.0, penalty=3.0, window=64, seed=row,
+                    dry=DrySettings(multiplier=2.0, base=1.75, allowed_length=2))
+        raw_ok = logits[0] >= logits[0].max() + torch.log(torch.tensor(r))
+        on = Sampler(SamplerSettings(plausible=r, **base), vocab)
+        got = int(on.choose(on.process(logits, history, flat.tokens, flat.depth, flat.anc), [row]))
+        assert raw_ok[got], f"row {row}: chose {got}, which the model gave under {r} x its top probability"
+        off = Sampler(SamplerSettings(**base), vocab)
+        promoted += int(not raw_ok[int(off.choose(off.process(logits, history, flat.tokens, flat.depth, flat.anc), [row]))])
+    assert promoted > 30
+
+
+def test_plausibility_never_leaves_a_row_empty_when_the_top_token_is_suppressed():
+    """End-of-text suppressed while it is by far the likeliest: the floor is set by the likeliest token that may
+    be written, so something always remains."""
+    vocab = 12
+    logits = torch.zeros(1, vocab)
+    logits[0, 3] = 40.0
+    logits[0, 7] = 1.0
+    sampler = Sampler(SamplerSettings(plausible=0.5, suppress=(3,)), vocab)
+    flat = DraftTree().select(0, 0)
+    proc = sampler.process(logits, torch.tensor([0]), flat.tokens, flat.depth, flat.anc)
+    assert int(sampler.choose(proc, [0])) == 7 and int(torch.isfinite(proc).sum()) == 1
