@@ -16,7 +16,7 @@ mode and seed (how much the setting changes what would have been written).
 
 A config name is a list of settings joined by '-': mM (dry multiplier, m0 = off), bB (base), aA (allowed
 length), wW (DRY window, 0 = whole text), pP (penalty theta), qQ (penalty window), tT (temperature),
-nN (min-p), rR (--plausible), cN (--context: tokens the model attends to), xW (--weights: xint4, xint8, xfloat).
+nN (min-p), cN (--context: tokens the model attends to), xW (--weights: xint4, xint8, xfloat).
 `off` = DRY off with the
 default penalty (the old defaults); `default` = every default of this version.
 """
@@ -40,7 +40,7 @@ from swiftwrite.metrics import (distinct, distinct_per_window, first_divergence,
 
 KEYS = {"m": "--dry-multiplier", "b": "--dry-base", "a": "--dry-allowed-length", "w": "--dry-window",
         "p": "--penalty", "q": "--penalty-window", "t": "--temperature", "n": "--min-p",
-        "c": "--context", "x": "--weights", "r": "--plausible"}
+        "c": "--context", "x": "--weights"}
 PROMPTS = {"novel": ("lighthouse.txt", "novel"), "report": ("grid.txt", "report")}
 MODES = {"sample": [], "greedy": ["--temperature", "0"]}
 
@@ -53,7 +53,7 @@ def flags(config: str) -> list[str]:
     out = []
     for part in config.split("-"):
         if not part or part[0] not in KEYS:
-            sys.exit(f"dry_sweep: cannot read '{part}' in config '{config}' (use m, b, a, w, p, q, t, n, r, c, x)")
+            sys.exit(f"dry_sweep: cannot read '{part}' in config '{config}' (use m, b, a, w, p, q, t, n, c, x)")
         out += [KEYS[part[0]], part[1:]]
     return out
 

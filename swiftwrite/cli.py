@@ -38,7 +38,6 @@ def generate(
     top_p: Optional[str] = Opt(None, metavar="P", help="Nucleus mass in (0, 1]; 1 = off (default)."),
     min_p: Optional[str] = Opt(None, metavar="P", help="In [0, 1]; 0 = off (default 0.1)."),
     top_k: Optional[str] = Opt(None, metavar="K", help="0 = off (default)."),
-    plausible: Optional[str] = Opt(None, metavar="R", help="Only tokens the model gives >= R x its top probability before the penalties may be chosen; 0 = off (default 0.02)."),
     penalty: Optional[str] = Opt(None, metavar="THETA", help="Repetition penalty theta; 1 = off (default 1.2)."),
     penalty_window: Optional[str] = Opt(None, metavar="W", help="Tokens the penalty looks back (default 256)."),
     dry_multiplier: Optional[str] = Opt(None, metavar="M", help="N-gram repetition suppression strength; 0 = off (default 0.8)."),
@@ -78,7 +77,7 @@ def generate(
     from .writer import generate as run
 
     flags = dict(model=model, tokens=tokens, template=template, raw=raw, seed=seed, temperature=temperature,
-                 top_p=top_p, min_p=min_p, top_k=top_k, plausible=plausible, penalty=penalty, penalty_window=penalty_window,
+                 top_p=top_p, min_p=min_p, top_k=top_k, penalty=penalty, penalty_window=penalty_window,
                  dry_multiplier=dry_multiplier, dry_base=dry_base, dry_allowed_length=dry_allowed_length,
                  dry_window=dry_window, dry_breakers=dry_breakers, stop_on_loop=stop_on_loop,
                  stop_at_eos=stop_at_eos, chunk=chunk, draft=draft, budget=budget, static_tree=static_tree,

@@ -47,10 +47,6 @@ class Config:
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
     min_p: float = 0.1  # in [0, 1]; keep tokens with p >= min_p * p_max (TokenSwift's long-form setting)
     top_k: int = 0  # 0 = off
-    # Only tokens the model itself gives at least this share of its top probability, before the penalty and the
-    # n-gram suppression, may be chosen: those reorder the plausible words and never promote glued fragments,
-    # symbols or other scripts (README "Long texts"). 0 = off.
-    plausible: float = 0.02
     penalty: float = 1.2  # theta of the contextual penalty (TokenSwift); 1 = off; >= 1
     # W: the penalty sees the last W tokens, prompt included. 256, not TokenSwift's 1,024: over 1,024 tokens every
     # common id is penalised, and the 135M default model turns to word salad within ~3,500 tokens; over 256 it
@@ -113,7 +109,6 @@ class Config:
         need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]; 1 turns it off")
         need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]; 0 turns it off")
         need(self.top_k >= 0, "top_k", "must be 0 (off) or positive")
-        need(0 <= self.plausible <= 1, "plausible", "must be in [0, 1]; 0 turns it off")
         need(self.penalty >= 1, "penalty", "must be at least 1 (1 turns it off)")
         need(self.penalty_window >= 0, "penalty_window", "must be 0 or a positive number of tokens")
         need(self.dry_multiplier >= 0, "dry_multiplier", "must be 0 (off) or positive")
@@ -154,7 +149,7 @@ class Config:
 FIELDS = {f.name: f for f in fields(Config)}
 
 # What a run directory saved before an option existed meant: a resumed run keeps writing the text it started.
-LEGACY = {"dry_multiplier": 0.0, "stop_on_loop": 0, "weights": "float", "plausible": 0.0}
+LEGACY = {"dry_multiplier": 0.0, "stop_on_loop": 0, "weights": "float"}
 
 _ESCAPES = {"n": "\n", "t": "\t", ",": ",", "\\": "\\"}
 

@@ -246,7 +246,7 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
     model = lm.model
     stops = suppressed_ids(lm.tok, model.cfg)
     settings = SamplerSettings(
-        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p, plausible=cfg.plausible,
+        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
         penalty=cfg.penalty, window=cfg.penalty_window, suppress=() if cfg.stop_at_eos else stops, seed=cfg.seed,
         dry=dry_settings(cfg, lm.tok, model.cfg.vocab_size),
     )

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import math
-
 import numpy as np
 import torch
 
@@ -31,7 +29,6 @@ class SamplerSettings:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off; keep tokens with p >= min_p * p_max
-    plausible: float = 0.0  # 0 = off; only tokens with raw p >= plausible * raw p_max (before any penalty) compete
     penalty: float = 1.0  # theta; 1 = off
     window: int = 1024  # penalty window W in tokens (prompt included)
     suppress: tuple[int, ...] = ()  # token ids never chosen (end-of-text until the target is reached)
@@ -89,9 +86,6 @@ class Sampler:
         is the committed sequence on the CPU (its last token is the root); `parent` of each node (root: -1),
         derived from `anc` when not given. Returns float logits [n, vocab] (a new tensor)."""
         s = self.s
-        raw = logits
-        if self._suppress is not None and s.plausible > 0:
-            raw = raw.index_fill(-1, self._suppress, float("-inf"))
         if s.penalty != 1.0 and s.window > 0:
             pres = self.presence(history, tokens, depth, anc)
             # theta > 1 pushes seen tokens down on both sides of zero: divide positive logits, multiply negative
@@ -101,11 +95,6 @@ class Sampler:
             logits = self._dry(logits, history, tokens, depth, anc, parent)
         if self._suppress is not None:
             logits = logits.index_fill(-1, self._suppress, float("-inf"))  # not in place: inference-mode tensor
-        if s.plausible > 0:
-            # The penalties reorder what the model itself finds plausible; they never promote what it does not.
-            # The raw top token always stays, so a row never loses every candidate.
-            floor = raw.max(-1, keepdim=True).values + math.log(s.plausible)
-            logits = logits.masked_fill(raw < floor, float("-inf"))
         if self.greedy:
             return logits
         logits = logits / s.temperature

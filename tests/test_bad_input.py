@@ -37,7 +37,6 @@ NUMERIC_BAD = [  # (option, value): every numeric option given a non-number, a n
     ("threads", "abc"), ("threads", "-1"),
     ("seed", "abc"), ("seed", "-1"), ("seed", "1.5"),
     ("draft-kv-budget", "abc"), ("draft-kv-budget", "16"), ("draft-kv-budget", "-1"),  # 16: no room past the sinks
-    ("plausible", "-0.1"), ("plausible", "1.5"), ("plausible", "nan"),
     ("dry-multiplier", "-1"), ("dry-base", "0.5"), ("dry-allowed-length", "0"), ("dry-window", "-1"),
     ("stop-on-loop", "8"),  # under the loop tracker's floor of 16
 ]

@@ -89,9 +89,6 @@ def test_a_run_saved_before_an_option_existed_resumes_as_it_started():
     assert cfg.weights == "float"  # saved before quantized weights existed: the float weights it was written with
     assert resolve(None, NO_FLAGS, environ={}, base=Config(tokens=33, weights="int4").to_dict()).weights == "int4"
     assert resolve(None, NO_FLAGS, environ={}, base=Config(tokens=33).to_dict()).dry_multiplier == Config().dry_multiplier
-    # saved with suppression on, before the plausibility floor: it keeps writing without it
-    with_dry = {k: v for k, v in Config(tokens=33).to_dict().items() if k != "plausible"}
-    assert resolve(None, NO_FLAGS, environ={}, base=with_dry).plausible == 0
 
 
 def test_breakers_are_comma_separated_strings_with_escapes():
@@ -149,7 +146,6 @@ def test_missing_or_directory_or_binary_yaml_is_a_usage_error(tmp_path):
     ("seed", -1), ("seed", 1 << 32),
     ("draft", "everything"), ("template", "poem"), ("device", "tpu"), ("dtype", "int4"),
     ("weights", "int2"), ("weights", "bfloat16"),
-    ("plausible", -0.01), ("plausible", 1.01), ("plausible", math.nan),
     ("dry_multiplier", -0.5), ("dry_base", 0.9), ("dry_allowed_length", 0), ("dry_window", -1),
     ("dry_breakers", "\\n,,:"), ("stop_on_loop", 15), ("stop_on_loop", -1),
 ])

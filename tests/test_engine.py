@@ -294,9 +294,6 @@ DRY = {
     "greedy-dry-a2-w0": SamplerSettings(penalty=1.3, window=32, dry=DrySettings(0.8, 1.75, 2, 0, (5, 9))),
     "sample-dry-a3-w48": SamplerSettings(temperature=0.8, min_p=0.1, penalty=1.3, window=32, seed=3,
                                          dry=DrySettings(0.8, 1.75, 3, 48, (5,))),
-    # only tokens the model gives >= 0.3 x its top probability before the penalties may be chosen
-    "sample-dry-plausible": SamplerSettings(temperature=0.8, min_p=0.1, penalty=1.3, window=32, seed=4, plausible=0.3,
-                                            dry=DrySettings(0.8, 1.75, 2, 0, (5,))),
 }
 DRY_N = 2000
 
@@ -429,9 +426,6 @@ REAL_N = 300
 REAL_SETTINGS = {
     "greedy": SamplerSettings(penalty=1.2, window=1024),
     "sampled": SamplerSettings(temperature=0.7, min_p=0.1, penalty=1.2, window=1024, seed=11),
-    # the long-form processors together: n-gram suppression (198 = "\n", a breaker) and the plausibility floor
-    "sampled-dry-plausible": SamplerSettings(temperature=0.7, min_p=0.1, penalty=1.2, window=256, seed=12,
-                                             plausible=0.02, dry=DrySettings(0.8, 1.75, 2, 0, (198,))),
 }
 # A fixed budget: under an automatic budget on this CPU's cost curve the engine soon stops drafting for this
 # prompt (the estimates fall below what a bigger forward costs), which leaves little to verify.
