@@ -13,7 +13,9 @@ too: the glued share (`metrics.glued_share`: characters in 'words' of 17+ letter
 words run together without spaces) and the capitalised share (`metrics.capitalised_share`: words starting with
 a capital; 0.05-0.15 for prose, 0.3-0.6 in streams of Capitalised Words), with where each first passes 0.15
 and 0.25. A run written from an outline gets the same per section too: its title, where its heading starts,
-its length against its budget, and whether its heading sits at a paragraph or sentence boundary. Reads the
+its length against its budget, whether its heading sits at a paragraph or sentence boundary, and how often the
+heading's line occurs in the whole text (1 = only where it was forced; the outline is in the prompt, so the model
+may write a heading itself). Reads the
 token files and the default model's tokenizer: no model runs.
 """
 
@@ -59,6 +61,7 @@ def sections(toks: list[int], outline: dict) -> list[dict]:
     sched = outlines.Schedule(plan, outlines.ender_ids(tokenizer(), len(tokenizer())))
     sched.replay(toks)
     starts = sched.starts + [len(toks)]
+    full = tokenizer().decode(toks)
     out = []
     for k, (sec, budget) in enumerate(zip(plan.sections, plan.budgets)):
         if k >= len(sched.starts):
@@ -68,6 +71,8 @@ def sections(toks: list[int], outline: dict) -> list[dict]:
         before = tokenizer().decode(toks[max(0, a - 1) : a]) if a else ""
         out.append({"section": k + 1, "title": sec.title, "start": a, "tokens": b - a, "budget": budget,
                     "within_10_percent": abs((b - a) - budget) <= 0.1 * budget,
+                    # the forced heading once, plus any time the model wrote the same line itself
+                    "heading_occurrences": full.count(tokenizer().decode(plan.headings[k]).strip()),
                     "heading_after": "start" if a == 0 else ("paragraph" if "\n" in before else
                                                              "sentence" if outlines.is_ender(before) else "cut"),
                     "longest_repeat": longest_repeat(body), **distinct(body),
