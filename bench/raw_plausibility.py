@@ -6,8 +6,8 @@
 
 For every output token in --range, the raw model (transformers, float32, no penalty, no suppression, no
 filters) is run over the prompt and the --context output tokens before the range, and the token's log
-probability and log(p / p_max) are read from its raw distribution. Tokens inside "words" of 17+ letters (the glued
-share's definition, `metrics.glued_share`) are reported apart from the rest: if the raw model already rates the
+probability and log(p / p_max) are read from its raw distribution. Tokens inside whitespace-separated words of 17+ letters
+(the glued share's definition, `metrics.glued_share`) are reported apart from the rest: if the raw model already rates the
 glued pieces like any other token, the processors did not promote them and no rule that only reorders or
 truncates the raw distribution can keep them out. With --escape-from A:B, the ids written in output tokens A:B
 (a template loop's vocabulary) are set aside and the best other token is reported per position: how far below
@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from swiftwrite.metrics import GLUED_LETTERS  # noqa: E402
 from swiftwrite.rundir import _unpack  # noqa: E402
 
 Q = [0.1, 0.5, 0.9]
@@ -75,7 +76,9 @@ def main():
     tok = tokenizer()
     ends = [len(tok.decode(out[lo : i + 1])) for i in range(lo, hi)]  # text length after each token
     text = tok.decode(out[lo:hi])
-    glued_chars = {c for m in re.finditer(r"[A-Za-z]{17,}", text) for c in range(m.start(), m.end())}
+    # glued_share's words: whitespace-separated, with at least GLUED_LETTERS letters
+    glued_chars = {c for m in re.finditer(r"\S+", text) if sum(ch.isalpha() for ch in m.group()) >= GLUED_LETTERS
+                   for c in range(m.start(), m.end())}
     glued = np.array([e - 1 in glued_chars for e in ends])
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "run": str(a.run), "range": [lo, hi], "context": a.context,
               "quantiles": Q,

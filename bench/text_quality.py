@@ -15,8 +15,7 @@ a capital; 0.05-0.15 for prose, 0.3-0.6 in streams of Capitalised Words), with w
 and 0.25. A run written from an outline gets the same per section too: its title, where its heading starts,
 its length against its budget, whether its heading sits at a paragraph or sentence boundary, and how often the
 heading's line occurs in the whole text (1 = only where it was forced; the outline is in the prompt, so the model
-may write a heading itself). Reads the
-token files and the default model's tokenizer: no model runs.
+may write a heading itself). Reads the token files and the default model's tokenizer: no model runs.
 """
 
 from __future__ import annotations
@@ -68,6 +67,7 @@ def sections(toks: list[int], outline: dict) -> list[dict]:
             break
         a, b = starts[k], starts[k + 1]
         body = toks[a + len(plan.headings[k]) : b]
+        body_text = tokenizer().decode(body)
         before = tokenizer().decode(toks[max(0, a - 1) : a]) if a else ""
         out.append({"section": k + 1, "title": sec.title, "start": a, "tokens": b - a, "budget": budget,
                     "within_10_percent": abs((b - a) - budget) <= 0.1 * budget,
@@ -76,8 +76,7 @@ def sections(toks: list[int], outline: dict) -> list[dict]:
                     "heading_after": "start" if a == 0 else ("paragraph" if "\n" in before else
                                                              "sentence" if outlines.is_ender(before) else "cut"),
                     "longest_repeat": longest_repeat(body), **distinct(body),
-                    "glued_share": glued_share(tokenizer().decode(body)),
-                    "capitalised_share": capitalised_share(tokenizer().decode(body))})
+                    "glued_share": glued_share(body_text), "capitalised_share": capitalised_share(body_text)})
     return out
 
 
