@@ -1,7 +1,7 @@
 """What quantized weights cost and give, per --weights setting, on the default model, side by side in one run.
 
     python bench/quant_cost.py --tokens 2000 --threads 2 --out bench/results/quant_cost-DATE.json
-    python bench/quant_cost.py --tokens 2000 --gguf /path/to/smollm2-135m.gguf   # plus a llama.cpp row
+    python bench/quant_cost.py --tokens 2000 --gguf $SWIFTWRITE_HOME/models/smollm2-135m/model.gguf  # + llama.cpp
 
 For each setting (float, int8, int4 by default) a fresh process loads the model with those weights (so its
 peak resident memory is its own: loading included) and writes, with the novel template on prompts/lighthouse.txt
@@ -13,8 +13,9 @@ and each sampler setting (greedy and seeded sampling, the penalty on, as `swiftw
   * the bytes the setting keeps in the model store (the float safetensors, or the quantized file) and the
     process's peak resident memory; load seconds. The first run of a setting also quantizes, once, from the
     float weights (`quantized_now` in the JSON): its peak memory and load time include that; run twice.
-With --gguf and llama-cpp-python installed, a llama.cpp plain-decoding row on that GGUF (greedy only, its own
-sampler and no penalty: its speed is the comparison, not its text). Machine, date and settings go in the JSON.
+With --gguf, llama.cpp on that GGUF in a process of its own, plain and with its prompt-lookup drafts (see
+llama_cpp_rows; skipped with a sentence where llama-cpp-python is not installed: `pip install -e '.[peers]'`).
+Machine, date and settings go in the JSON.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SETTINGS = ("float", "int8", "int4")
+SETTINGS = ("float", "bfloat16", "int8", "int4")  # bfloat16: the float weights held and computed in bfloat16
+PEERS = ("llama.cpp", "llama.cpp-lookup")  # with --gguf: llama.cpp plain and with its prompt-lookup drafts
 SAMPLERS = ("greedy", "sample")
 
 
@@ -59,9 +61,11 @@ def one_setting(weights: str, tokens: int, threads: int, samplers: list[str]) ->
 
     torch.set_num_threads(threads)
     display = Display("quiet")
+    dtype = "bfloat16" if weights == "bfloat16" else "float32"
+    weights = "float" if weights == "bfloat16" else weights
     built = weights != "float" and not quant.packed_path(store.locate("smollm2-135m"), weights).is_file()
     t = time.perf_counter()
-    lm = loading.load(Config(weights=weights, threads=threads), display)
+    lm = loading.load(Config(weights=weights, threads=threads, dtype=dtype), display)
     load_s = time.perf_counter() - t
     path = lm.ref.path
     store_bytes = sum(f.stat().st_size for f in Path(path).glob("*.safetensors")) if weights == "float" \
@@ -74,7 +78,7 @@ def one_setting(weights: str, tokens: int, threads: int, samplers: list[str]) ->
         runs = {m: _one(m, BENCH_SETTINGS[sampler], ids, tokens, lm, None, display) for m in ("none", "all")}
         for method, o in runs.items():
             rows.append({
-                "weights": weights, "sampler": sampler, "method": method,
+                "weights": weights if dtype == "float32" else dtype, "sampler": sampler, "method": method,
                 "tokens_per_second": round(tokens / o.seconds, 2), "seconds": round(o.seconds, 3),
                 "tokens_per_forward": round(tokens / o.forwards, 3) if o.forwards else None,
                 "accepted": o.per_source,
@@ -83,30 +87,57 @@ def one_setting(weights: str, tokens: int, threads: int, samplers: list[str]) ->
                 "tokens": o.tokens,
             })
     # quantized_now: this process quantized the float weights (loaded whole), so its peak memory includes them
-    return {"weights": weights, "load_seconds": round(load_s, 2), "quantized_now": built, "store_bytes": store_bytes,
+    return {"weights": weights if dtype == "float32" else dtype, "load_seconds": round(load_s, 2), "quantized_now": built, "store_bytes": store_bytes,
             "peak_rss_bytes": peak_rss_bytes(), "prompt_tokens": len(ids), "model": str(path),
             "fingerprint": lm.ref.fingerprint, "rows": rows}
 
 
-def llama_cpp_row(gguf: Path, tokens: int, threads: int) -> dict:
-    """llama.cpp plain decoding on the same GGUF, greedy. Needs `pip install llama-cpp-python` (a source build:
-    no binary wheel of it is on the package index for this platform, 2026-12-01), so not run by default."""
+def llama_cpp_rows(method: str, gguf: Path, tokens: int, threads: int, samplers: list[str]) -> dict:
+    """Runs in its own process: llama.cpp (llama-cpp-python, `pip install -e '.[peers]'`, a source build) on the same
+    GGUF, the same prompt ids (our tokenizer's, the GGUF's vocabulary), the same threads, end of text masked as our
+    runs mask it, plain or with its prompt-lookup drafts (LlamaPromptLookupDecoding, 10 tokens). Its own sampler:
+    greedy, or T 0.7 / min-p 0.1 (top-k and top-p off) seed 0, its repeat penalty 1.2 over the last 256 tokens (ours
+    is 1.2 over 256 tokens plus DRY and the n-gram suppression). Timed from its first generated token to its last,
+    as our runs are timed after the prompt's prefill."""
     try:
         from llama_cpp import Llama
-    except ImportError:
-        return {"skipped": "llama-cpp-python is not installed"}
-    from swiftwrite import prompt
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError as e:
+        return {"method": method, "skipped": f"llama-cpp-python is not installed ({e}): pip install -e '.[peers]'"}
+    from transformers import AutoTokenizer
 
+    from swiftwrite import prompt, store
+    from swiftwrite.metrics import distinct, longest_repeat
+
+    tok = AutoTokenizer.from_pretrained(store.locate("smollm2-135m"))
     brief = prompt.read_prompt(str(ROOT / "prompts" / "lighthouse.txt"))
-    llm = Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, verbose=False)
-    messages = [{"role": "user", "content": prompt.apply_template(brief, "novel")}]
-    llm.create_chat_completion(messages=messages, max_tokens=16, temperature=0.0)  # warm-up
-    t = time.perf_counter()
-    out = llm.create_chat_completion(messages=messages, max_tokens=tokens, temperature=0.0)
-    secs = time.perf_counter() - t
-    n = out["usage"]["completion_tokens"]
-    return {"method": "llama.cpp plain (greedy, its sampler, no penalty)", "tokens": n,
-            "tokens_per_second": round(n / secs, 2), "seconds": round(secs, 3), "peak_rss_bytes": peak_rss_bytes()}
+    ids = prompt.prompt_ids(tok, prompt.apply_template(brief, "novel"), False)
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if method == "llama.cpp-lookup" else None
+    llm = Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False,
+                last_n_tokens_size=256, draft_model=draft)
+    kw = {"greedy": dict(temperature=0.0), "sample": dict(temperature=0.7, min_p=0.1, top_k=0, top_p=1.0, seed=0)}
+    rows = []
+    for sampler in samplers:
+        llm.reset()
+        list(llm.create_completion(ids, max_tokens=16, stream=True, **kw[sampler]))  # warm-up, untimed
+        llm.reset()
+        out, first, last, n = [], None, None, 0
+        for chunk in llm.create_completion(ids, max_tokens=tokens, stream=True, repeat_penalty=1.2,
+                                           logit_bias={llm.token_eos(): float("-inf")}, **kw[sampler]):
+            if chunk["choices"][0]["finish_reason"] is not None:  # the closing chunk carries no token
+                out.append(chunk["choices"][0]["text"])
+                break
+            last = time.perf_counter()
+            first = first or last
+            n += 1
+            out.append(chunk["choices"][0]["text"])
+        text = "".join(out)
+        gen = llm.tokenize(text.encode(), add_bos=False, special=False)
+        rows.append({"weights": "gguf (its own)", "sampler": sampler, "method": method, "tokens_streamed": n,
+                     "tokens_per_second": round((n - 1) / (last - first), 2), "seconds": round(last - first, 3),
+                     "tokens_per_forward": None, "first_diff_vs_none": None, **distinct(gen),
+                     "longest_repeat": longest_repeat(gen), "text_tokens": len(gen), "text": text})
+    return {"weights": method, "store_bytes": gguf.stat().st_size, "peak_rss_bytes": peak_rss_bytes(), "rows": rows}
 
 
 def main():
@@ -121,7 +152,9 @@ def main():
     a = ap.parse_args()
     samplers = a.samplers.split(",")
     if a.one:
-        print(json.dumps(one_setting(a.one, a.tokens, a.threads, samplers)))
+        res = llama_cpp_rows(a.one, a.gguf, a.tokens, a.threads, samplers) if a.one in PEERS else \
+            one_setting(a.one, a.tokens, a.threads, samplers)
+        print(json.dumps(res))
         return
     import torch
 
@@ -135,10 +168,12 @@ def main():
                            "note": "greedy / sample (0.7, min-p 0.1) as `swiftwrite bench`: penalty 1.2 over "
                                    f"{Config().penalty_window} tokens, the default n-gram suppression"},
               "results": []}
-    for w in a.weights.split(","):
+    runs = a.weights.split(",") + (list(PEERS) if a.gguf is not None else [])
+    for w in runs:
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "--one", w, "--tokens", str(a.tokens), "--threads",
-                               str(a.threads), "--samplers", a.samplers], capture_output=True, text=True, cwd=ROOT,
+                               str(a.threads), "--samplers", a.samplers] + (["--gguf", str(a.gguf)] if a.gguf else []),
+                              capture_output=True, text=True, cwd=ROOT,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
         if proc.returncode != 0:
             report["results"].append({"weights": w, "error": proc.stderr.strip().splitlines()[-1:]})
@@ -154,9 +189,7 @@ def main():
     for res in report["results"]:
         for r in res.get("rows", []):
             ref = floats.get(r["sampler"])
-            r["first_diff_vs_float_none"] = first_divergence(r["tokens"], ref) if ref is not None else None
-    if a.gguf is not None:
-        report["llama_cpp"] = llama_cpp_row(a.gguf, a.tokens, a.threads)
+            r["first_diff_vs_float_none"] = first_divergence(r["tokens"], ref) if ref is not None and "tokens" in r else None
     print(markdown(report))
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -172,8 +205,8 @@ def markdown(report: dict) -> str:
                          f"{r['tokens_per_forward']} | {r['first_diff_vs_none']} | {r['first_diff_vs_float_none']} | "
                          f"{r['distinct_1']} | {r['distinct_4']} | {r['longest_repeat']} | "
                          f"{res['store_bytes'] / 1e6:.0f} | {(res['peak_rss_bytes'] or 0) / 1e6:.0f} |")
-    if "llama_cpp" in report:
-        lines.append(f"\nllama.cpp: {json.dumps(report['llama_cpp'])}")
+        if "skipped" in res:
+            lines.append(f"\n{res['method']}: skipped: {res['skipped']}")
     return "\n".join(lines)
 
 

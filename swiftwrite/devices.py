@@ -20,12 +20,11 @@ if TYPE_CHECKING:
 
 
 def pick_device(cfg: Config, say=lambda msg: None) -> tuple[str, "torch.dtype"]:
-    """The device and dtype for `cfg`. `auto` is float32 everywhere: in bfloat16 or float16 a tree's forward
-    rounds differently from a single step's, and speculative output leaves plain decoding's at the first near-tie
-    (bench/dtype_cost.py: token 49 of 500 on the default model), so a half dtype is only used when asked for,
-    with that said. A dtype the device cannot run well falls back, with a sentence to `say`; an explicit
-    --device cuda without a GPU is an error rather than a silent switch to the CPU, where a run meant for a GPU
-    would take many times longer."""
+    """The device and dtype for `cfg`. `auto` is float32 everywhere (README "Half precision"): a half dtype writes
+    another text than float32, exact against its own plain decoding by construction (exact.py; a run that drafts
+    checks it at start-up and drafts only where it holds). A dtype the device cannot run well falls back, with a
+    sentence to `say`; an explicit --device cuda without a GPU is an error rather than a silent switch to the
+    CPU, where a run meant for a GPU would take many times longer."""
     import torch
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -39,9 +38,6 @@ def pick_device(cfg: Config, say=lambda msg: None) -> tuple[str, "torch.dtype"]:
     if device == "cuda" and name == "bfloat16" and not torch.cuda.is_bf16_supported():
         say(f"--dtype bfloat16: {torch.cuda.get_device_name()} cannot compute in bfloat16; using float16.")
         name = "float16"
-    if name != "float32" and cfg.draft != "none":
-        say(f"--dtype {name}: drafts are verified in a wider forward than single steps, which rounds differently, so "
-            "the text can leave what --draft none writes at a near-tie; use float32 (the default) for token-exact output.")
     return device, getattr(torch, name)
 
 
@@ -135,8 +131,8 @@ def fit_dtype(cfg: Config, mcfg: "ModelConfig", device: str, dtype, say) -> "tor
     if weight_bytes(mcfg, half) > 0.9 * free:
         return dtype  # neither fits: make_window says what to do
     say(f"the model's float32 weights ({human_bytes(weight_bytes(mcfg, dtype))}) do not fit the {human_bytes(free)} "
-        f"free {'in RAM' if device == 'cpu' else 'on the GPU'}; using {dtype_name(half)}, in which drafted text can leave what "
-        "--draft none writes at a near-tie (--dtype float32 to insist).")
+        f"free {'in RAM' if device == 'cpu' else 'on the GPU'}; using {dtype_name(half)}, which writes another text than "
+        "float32 would (--dtype float32 to insist).")
     return half
 
 

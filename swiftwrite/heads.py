@@ -253,7 +253,7 @@ class HeadsDrafter(DraftSource):
         """Token ids [γ, k]: each head's top-k for the hidden state [D] of one position. All γ heads share one
         product with the (sliced) LM head."""
         z = self.heads.states(hidden.reshape(1, -1))[0]  # [γ, D]
-        top = torch.topk(linear(z, self.lm), self.top_k, dim=-1).indices
+        top = torch.topk(linear(z.to(self.lm.dtype), self.lm), self.top_k, dim=-1).indices  # heads fresh from fit: float32
         return self.vocab[top.cpu().numpy()]
 
     def after_accept(self, hidden: torch.Tensor) -> None:

@@ -190,7 +190,7 @@ def make_window(cfg: Config, lm: Loaded, prompt_len: int, display: Display) -> "
     dtype = dtype_name(lm.dtype) if lm.weights == "float" else lm.weights
     if avail is not None and weights > avail:
         raise UserError(f"the model's {dtype} weights need {human_bytes(weights)} but only {human_bytes(avail)} is free "
-                        f"{where}; use a smaller model" + (", or --dtype bfloat16 (half the memory, not token-exact)"
+                        f"{where}; use a smaller model" + (", or --dtype bfloat16 (half the memory, another text)"
                                                             if dtype == "float32" else "") + ".")
     if avail is not None and weights + kv > avail:
         per_token = kv / (context + 1 + MAX_BUDGET)
@@ -251,12 +251,13 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
         dry=dry_settings(cfg, lm.tok, model.cfg.vocab_size),
     )
     names = [] if cfg.draft == "none" else (list(SOURCES) if cfg.draft == "all" else [cfg.draft])
-    if names and lm.weights != "float":
-        from .quant import row_variance
+    if names and getattr(model, "exact_rows", False):
+        from .exact import check
 
-        why = row_variance(model)  # the bits speculation's exactness rests on, checked on this machine
+        why = check(model)  # the bits speculation's exactness rests on, checked on this machine
         if why:
-            display.info(f"--weights {lm.weights}: {why}, so drafts could change the text; decoding without them "
+            setting = f"--weights {lm.weights}" if lm.weights != "float" else f"--dtype {dtype_name(lm.dtype)}"
+            display.info(f"{setting}: {why}, so drafts could change the text; decoding without them "
                          "(as --draft none) keeps it exactly what plain decoding writes.")
             names = []
     heads = load_head_drafter(lm, required=cfg.draft == "heads", display=display, cfg=cfg, window=window) \

@@ -128,19 +128,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor:
     """x @ w.T. In float32 on a CPU, computing (w @ x.T).T for a few rows picks a BLAS kernel that reads the
     weight once for all rows; F.linear's small-M path on this CPU class costs nearly n times a single row
     (bench/forward_cost.py measured 176 us vs 118 us for 2 rows of a 3072x576 matrix, 429 vs 325 us for 16),
     and one row alone is padded to two (a one-row GEMV ran the 49,152x576 LM head at 6.8 ms vs 2.2 ms).
     In bfloat16 the same trick is a loss (the LM head at 3.8 ms vs 1.65 ms, a whole 1-token forward of the
     default model 27.6 ms vs 17.3 ms, bench/dtype_cost.py), and on a GPU F.linear is cuBLAS's own path.
-    A quantized weight (quant.py, --weights int8/int4) runs its own kernel."""
+    A quantized weight (quant.py, --weights int8/int4) runs its own kernel.
+
+    Half precision on a CPU pads one row to two as well, for exactness rather than speed: torch's bfloat16 matmul
+    gives a single row other bits than the same row among 2..64 rows for the default model's down projection
+    (1,536 inputs), while every count from 2 up agrees (exact.py measures it), so with the pad a decoding step and
+    a tree's node round alike. `rows` (a tree's forward on an exact model, exact.py): at most that many rows per
+    product, a count measured to give each row the bits it has in a step."""
+    if rows is not None and x.shape[0] > rows:
+        return torch.cat([linear(piece, w, b) for piece in x.split(rows)])
     if not isinstance(w, torch.Tensor):
         y = w.mm(x)
         return y + b if b is not None else y
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+    if x.device.type != "cpu":
         return F.linear(x, w, b)
+    if x.dtype != torch.float32:
+        return F.linear(x.repeat(2, 1), w, b)[:1] if x.shape[0] == 1 else F.linear(x, w, b)
     if x.shape[0] == 1:
         y = (w @ x.repeat(2, 1).t())[:, :1].t()
     else:
@@ -286,8 +296,11 @@ class LeanModel:
         self.device = torch.device(device)
         self.dtype = dtype
         self.weights = quantized["layers.0.wqkv"].setting if quantized else "float"  # config.WEIGHTS, resolved
-        # Quantized models compute attention row by row (see _attend_rows), so that a tree's rows equal single steps.
-        self.exact_rows = bool(quantized)
+        # Quantized and half-precision models compute a tree's attention row by row (_attend_rows) and its products
+        # in pieces of row counts measured to keep each row's bits (exact.py), so a tree's rows equal single steps.
+        # float32 trees run batched: their rows differ in the last bits, observed never to change a token.
+        self.exact_rows = bool(quantized) or dtype in (torch.bfloat16, torch.float16)
+        self.rows: dict[str, int] | None = None  # product -> piece size for trees, set by exact.check
         get = lambda name: weights[name].to(self.device, dtype)  # noqa: E731
         if quantized:
             self.embed = quantized["embed"]
@@ -373,7 +386,7 @@ class LeanModel:
         bits = None
         if kv is None and not flash and n > 1:  # a tree, or a causal chunk when flash-attn is not there
             bits = self.gpu.tree_bits(given if given is not None else mask[:, start:], n)
-        # A tree's rows, on a quantized model, one by one (_attend_rows). Not causal chunks (prefill, rebuilds): plain
+        # A tree's rows, on an exact model, one by one (_attend_rows). Not causal chunks (prefill, rebuilds): plain
         # and speculative runs prefill the same chunks, and row by row a chunk of n tokens would read the cache n times.
         paths = self._row_paths(attn_mask, start, n) if self.exact_rows and given is not None and kv is None \
             and bits is None and n > 1 else None
@@ -392,8 +405,13 @@ class LeanModel:
                 return self.gpu.flash_causal(q, cache.k[li, :, :end], cache.v[li, :, :end], self.scale)
             return attention(q, cache.k[li, :, :end], cache.v[li, :, :end], attn_mask, self.scale)
 
-        hidden = self._layers(ids, positions, attend)
-        return self._logits(hidden, logits_for), hidden
+        if paths is not None and self.rows is None:  # measured once per product shape and process (exact.py)
+            from .exact import plan_rows
+
+            self.rows = plan_rows(self)[0]
+        rows = self.rows if paths is not None else None  # trees only: plain and speculative runs prefill alike
+        hidden = self._layers(ids, positions, attend, rows)
+        return self._logits(hidden, logits_for, rows), hidden
 
     @staticmethod
     def _row_paths(mask: torch.Tensor, start: int, n: int) -> list[torch.Tensor | None] | None:
@@ -459,8 +477,9 @@ class LeanModel:
         hidden = self._layers(ids, positions, attend)
         return self._logits(hidden, None), hidden
 
-    def _layers(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """Every decoder layer over `ids`; `attend(layer, q, k, v) -> [n, H*D]` stores K/V and attends."""
+    def _layers(self, ids: torch.Tensor, positions: torch.Tensor, attend, rows: dict[str, int] | None = None) -> torch.Tensor:
+        """Every decoder layer over `ids`; `attend(layer, q, k, v) -> [n, H*D]` stores K/V and attends. `rows`:
+        the products' piece sizes (exact.py) or None."""
         cfg = self.cfg
         n = ids.shape[0]
         H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -468,24 +487,25 @@ class LeanModel:
         x = self.embed[ids] if isinstance(self.embed, torch.Tensor) else self.embed.index_select(0, ids).to(self.dtype)
         q_size, kv_size = H * D, KV * D
         inter = cfg.intermediate_size
+        r = rows or {}
         for li, L in enumerate(self.layers):
             h = rms_norm(x, L["in_norm"], cfg.rms_eps)
-            qkv = linear(h, L["wqkv"], L["bqkv"])
+            qkv = linear(h, L["wqkv"], L["bqkv"], r.get("wqkv"))
             q = qkv[:, :q_size].view(n, H, D).transpose(0, 1)
             k = qkv[:, q_size : q_size + kv_size].view(n, KV, D).transpose(0, 1)
             v = qkv[:, q_size + kv_size :].view(n, KV, D).transpose(0, 1)
             if cfg.qk_norm:
                 q = rms_norm(q, L["q_norm"], cfg.rms_eps)
                 k = rms_norm(k, L["k_norm"], cfg.rms_eps)
-            x = x + linear(attend(li, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v), L["wo"], L["bo"])
+            x = x + linear(attend(li, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v), L["wo"], L["bo"], r.get("wo"))
             h = rms_norm(x, L["post_norm"], cfg.rms_eps)
-            gu = linear(h, L["w_gate_up"], L["b_gate_up"])
-            x = x + linear(F.silu(gu[:, :inter]) * gu[:, inter:], L["w_down"], L["b_down"])
+            gu = linear(h, L["w_gate_up"], L["b_gate_up"], r.get("w_gate_up"))
+            x = x + linear(F.silu(gu[:, :inter]) * gu[:, inter:], L["w_down"], L["b_down"], r.get("w_down"))
         return x
 
-    def _logits(self, hidden: torch.Tensor, logits_for) -> torch.Tensor:
-        rows = hidden if logits_for is None else hidden[logits_for]
-        return linear(rms_norm(rows, self.final_norm, self.cfg.rms_eps), self.lm_head).float()
+    def _logits(self, hidden: torch.Tensor, logits_for, rows: dict[str, int] | None = None) -> torch.Tensor:
+        h = hidden if logits_for is None else hidden[logits_for]
+        return linear(rms_norm(h, self.final_norm, self.cfg.rms_eps), self.lm_head, None, (rows or {}).get("lm_head")).float()
 
 
 # ---------------------------------------------------------------------------------------------------------

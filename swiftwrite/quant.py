@@ -156,26 +156,6 @@ class Int4Weight:
 
 QUANTIZED = (Int8Weight, Int4Weight)
 
-PROBE_ROWS = (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 32, 64)  # row counts a tree forward may run, odd ones included
-
-
-def row_variance(model) -> str | None:
-    """A sentence when one of `model`'s quantized products gives a row other bits among n rows than alone on this
-    machine (what the speculative engine's exactness rests on, bench/quant_invariance.py), else None. One of each
-    product shape, 17 rows alone and PROBE_ROWS together: half a second on the default model here (one busy
-    thread), at start-up of a run that drafts."""
-    layer = model.layers[0]
-    named = {"q/k/v projection": layer["wqkv"], "output projection": layer["wo"],
-             "gate/up projection": layer["w_gate_up"], "down projection": layer["w_down"], "LM head": model.lm_head}
-    g = torch.Generator().manual_seed(0)
-    for name, w in named.items():
-        x = torch.randn(max(PROBE_ROWS), w.shape[1], generator=g, dtype=torch.float32).to(model.dtype)
-        alone = torch.cat([w.mm(x[i : i + 1]) for i in range(17)])
-        for n in PROBE_ROWS:
-            if not torch.equal(w.mm(x[:n])[:17], alone[:n]):
-                return f"the {w.setting} kernel of the {name} gives a row other bits among {n} rows than alone here"
-    return None
-
 
 def from_tensors(t: dict[str, torch.Tensor], prefix: str):
     if prefix + ".q8" in t:

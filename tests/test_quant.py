@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from swiftwrite import quant
+from swiftwrite import exact, quant
 from swiftwrite.engine import Engine, make_sources
 from swiftwrite.errors import UserError
 from swiftwrite.heads import HeadsDrafter
@@ -316,13 +316,15 @@ def test_speculation_is_switched_off_with_a_sentence_where_the_kernels_rows_depe
     said = []
     display = type("D", (), {"info": staticmethod(said.append)})()
     engine = loading.build_engine(Config(draft="recycling"), lm, Window(CONTEXT, 24), 100, display)
-    assert quant.row_variance(model) is None and len(engine.sources) == 1  # this machine: invariant
+    assert exact.check(model) is None and len(engine.sources) == 1  # this machine: invariant
+    assert model.rows == {k: exact.MAX_ROWS for k in ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")}
     real = quant.Int8Weight.mm
 
     def drifting(self, x):  # a kernel whose rows pick up the row count in their last bit
         return real(self, x) + x.shape[0] * 1e-6
 
     monkeypatch.setattr(quant.Int8Weight, "mm", drifting)
+    monkeypatch.setattr(exact, "_cache", {})  # the measurements above were of the real kernel
     said.clear()
     engine = loading.build_engine(Config(draft="recycling"), lm, Window(CONTEXT, 24), 100, display)
     assert len(engine.sources) == 0

@@ -1,0 +1,111 @@
+"""Exact by construction: a tree's rows computed with the same bits as single decoding steps, in any dtype whose
+kernels allow it (bfloat16 and float16 weights, and the int8 / int4 kernels of quant.py).
+
+Speculative output equals plain output only if every tree node's logits are the bits a single step at its place
+would produce. Two things can break that: a product whose row is rounded differently among n rows than alone,
+and attention whose sums run in another order in a batch. Attention is handled in model.py (`_attend_rows`: each
+node as one query row against the cache and its own ancestors, the call a single step makes). Products are
+handled in two steps. model.linear pads a single row to two in half precision on a CPU: torch's bfloat16 matmul
+gives one row alone other bits than the same row among others for the default model's down projection (1,536
+inputs; bench/invariance.py), while every count from 2 to 64 agrees with the padded row. Then, here, for each
+product shape, the largest row count up to which every count gives each row the bits it has in a step (64 for
+every product of the default model in bfloat16 and under int8 / int4 on this development machine); a tree's
+rows go through a product in pieces of at most that count. In float32 the matmul changes a row's bits from 4
+rows on for every shape, so pieces of 3 would read the weights five times per 16-node tree: float32 trees stay
+batched, and their equality with plain decoding is observed (no float32 run has diverged), not constructed.
+
+`tree_probe` then checks the whole forward end to end on the loaded model: a small branching tree against the
+same tokens run one at a time. A run that drafts checks both at start-up and decodes without drafts, with one
+sentence saying why, where they do not hold.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_ROWS = 64  # the largest forward a tree runs (budget.MAX_BUDGET + the root)
+_cache: dict[tuple, int] = {}  # (shape, dtype, kind, threads) -> safe piece size: probing is 0.1-1 s per shape
+
+
+def _mm(w, x: torch.Tensor) -> torch.Tensor:
+    from .model import linear
+
+    return linear(x, w)  # a single row as the model computes it (half precision pads it to two rows)
+
+
+def safe_rows(w, dtype: torch.dtype, limit: int = MAX_ROWS) -> int:
+    """The largest c <= limit such that, for every n in 2..c, each of n rows multiplied together with `w` has the
+    bits it has alone (as model.linear computes one row); 1 when even two rows differ. A kernel's sums run in
+    another order from some row count on, but whether that changes a rounded output depends on the values (two
+    draws of 64 rows found the unpadded bfloat16 down projection differing from 11 and from 17 rows on; a pool
+    of 256, from 2), so every count is tried on a pool of random rows cut into batches of that count: 256 rows
+    (64 for a product over 4M weights, the LM head), ~150K outputs of the down projection per count."""
+    key = (tuple(w.shape), dtype, type(w).__name__, getattr(w, "setting", ""), torch.get_num_threads(), limit)
+    if key in _cache:
+        return _cache[key]
+    pool = 64 if w.shape[0] * w.shape[1] > 1 << 22 else 256
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(pool, w.shape[1], generator=g).to(dtype)
+    alone = torch.cat([_mm(w, x[i : i + 1]) for i in range(pool)])
+    safe = 1
+    for n in range(2, limit + 1):
+        m = pool // n * n
+        if not torch.equal(torch.cat([_mm(w, part) for part in x[:m].split(n)]), alone[:m]):
+            break
+        safe = n
+    _cache[key] = safe
+    return safe
+
+
+def plan_rows(model) -> tuple[dict[str, int], str | None]:
+    """For each product of `model` (its fused names, the same shape in every layer), the piece size a tree's rows
+    go through it in; and a sentence when some product cannot take even two rows at once (then trees cannot
+    pay: the run should decode without drafts)."""
+    layer = model.layers[0]
+    named = {"wqkv": ("q/k/v projection", layer["wqkv"]), "wo": ("output projection", layer["wo"]),
+             "w_gate_up": ("gate/up projection", layer["w_gate_up"]), "w_down": ("down projection", layer["w_down"]),
+             "lm_head": ("LM head", model.lm_head)}
+    rows = {}
+    for key, (what, w) in named.items():
+        rows[key] = safe_rows(w, model.dtype)
+        if rows[key] == 1:
+            kind = f"the {w.setting} kernel" if not isinstance(w, torch.Tensor) else f"the {str(model.dtype)[6:]} matmul"
+            return rows, f"{kind} of the {what} gives a row other bits among 2 rows than alone here"
+    return rows, None
+
+
+@torch.inference_mode()
+def tree_probe(model, prefix: int = 12) -> str | None:
+    """A 6-node branching tree after a `prefix`-token prefill, against each node's path run one token at a time
+    (how plain decoding computes it): None when every node's logits are the same bits, else a sentence."""
+    g = torch.Generator().manual_seed(0)
+    vocab = model.cfg.vocab_size
+    ids = torch.randint(0, vocab, (prefix,), generator=g).to(model.device)
+    tree = torch.randint(0, vocab, (6,), generator=g).to(model.device)
+    parents = [-1, 0, 0, 1, 1, 2]
+    depth = torch.tensor([0, 1, 1, 2, 2, 2], device=model.device)
+    mask = torch.zeros(6, 6, dtype=torch.bool, device=model.device)
+    for i, p in enumerate(parents):
+        mask[i, i] = True
+        while p >= 0:
+            mask[i, p] = True
+            p = parents[p]
+    cache = model.new_cache(prefix + 8)
+    model.forward(ids, torch.arange(prefix, device=model.device), cache)
+    cache.length = prefix
+    together, _ = model.forward(tree, prefix + depth, cache, mask=mask)
+    for i in range(6):
+        cache.length = prefix
+        for j in mask[i].nonzero().flatten().tolist():
+            alone, _ = model.forward(tree[j : j + 1], prefix + depth[j : j + 1], cache)
+            cache.length += 1
+        if not torch.equal(alone[0], together[i]):
+            return f"a tree node's logits differ from the same token decoded alone (node {i} of a 6-node probe tree)"
+    return None
+
+
+def check(model) -> str | None:
+    """Set up `model` for exact trees (the product piece sizes) and check it: None, or why drafts could change the
+    text on this machine."""
+    model.rows, why = plan_rows(model)
+    return why or tree_probe(model)
