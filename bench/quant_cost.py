@@ -113,8 +113,10 @@ def llama_cpp_rows(method: str, gguf: Path, tokens: int, threads: int, samplers:
     brief = prompt.read_prompt(str(ROOT / "prompts" / "lighthouse.txt"))
     ids = prompt.prompt_ids(tok, prompt.apply_template(brief, "novel"), False)
     draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if method == "llama.cpp-lookup" else None
+    # logits_all: llama-cpp-python keeps scores for n_batch rows unless asked for all, and a verified draft of 10
+    # writes 11 rows (0.3.36 fails with a broadcast error without it)
     llm = Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False,
-                last_n_tokens_size=256, draft_model=draft)
+                last_n_tokens_size=256, draft_model=draft, logits_all=draft is not None)
     kw = {"greedy": dict(temperature=0.0), "sample": dict(temperature=0.7, min_p=0.1, top_k=0, top_p=1.0, seed=0)}
     rows = []
     for sampler in samplers:

@@ -5,9 +5,10 @@ Speculative output equals plain output only if every tree node's logits are the 
 would produce. Two things can break that: a product whose row is rounded differently among n rows than alone,
 and attention whose sums run in another order in a batch. Attention is handled in model.py (`_attend_rows`: each
 node as one query row against the cache and its own ancestors, the call a single step makes). Products are
-handled in two steps. model.linear pads a single row to two in half precision on a CPU: torch's bfloat16 matmul
-gives one row alone other bits than the same row among others for the default model's down projection (1,536
-inputs; bench/invariance.py), while every count from 2 to 64 agrees with the padded row. Then, here, for each
+handled in two steps. At load, a half-precision model on a CPU finds the products whose single row rounds otherwise
+than the same row among others (`plan_pads`; torch's bfloat16 matmul does, for the default model's down
+projection, 1,536 inputs, while every count from 2 to 64 agrees with the row padded to two), and decoding steps
+pad their row to two there (model.linear); the other products keep the cheaper one-row call. Then, for each
 product shape, the largest row count up to which every count gives each row the bits it has in a step (64 for
 every product of the default model in bfloat16 and under int8 / int4 on this development machine); a tree's
 rows go through a product in pieces of at most that count. In float32 the matmul changes a row's bits from 4
@@ -24,29 +25,59 @@ from __future__ import annotations
 import torch
 
 MAX_ROWS = 64  # the largest forward a tree runs (budget.MAX_BUDGET + the root)
-_cache: dict[tuple, int] = {}  # (shape, dtype, kind, threads) -> safe piece size: probing is 0.1-1 s per shape
+_cache: dict[tuple, int | bool] = {}  # measurements per (shape, dtype, kernel, threads): 0.1-1 s each
 
 
-def _mm(w, x: torch.Tensor) -> torch.Tensor:
+def _mm(w, x: torch.Tensor, pad: bool = False) -> torch.Tensor:
     from .model import linear
 
-    return linear(x, w)  # a single row as the model computes it (half precision pads it to two rows)
+    return linear(x, w, pad=pad)  # as the model computes it
 
 
-def safe_rows(w, dtype: torch.dtype, limit: int = MAX_ROWS) -> int:
+def _pool(w) -> int:
+    return 64 if w.shape[0] * w.shape[1] > 1 << 22 else 256
+
+
+def products(model) -> dict[str, tuple[str, object]]:
+    """fused name -> (what the user calls it, the weight of layer 0: every layer has the same shapes)"""
+    layer = model.layers[0]
+    return {"wqkv": ("q/k/v projection", layer["wqkv"]), "wo": ("output projection", layer["wo"]),
+            "w_gate_up": ("gate/up projection", layer["w_gate_up"]), "w_down": ("down projection", layer["w_down"]),
+            "lm_head": ("LM head", model.lm_head)}
+
+
+def needs_pad(w, dtype: torch.dtype) -> bool:
+    """True when one row multiplied alone gets other bits than the same row among two (torch's bfloat16 CPU matmul
+    takes another path for one row at some shapes); then decoding steps pad their row to two. A pool of random rows
+    alone against the same rows in pairs."""
+    key = ("pad", tuple(w.shape), dtype, torch.get_num_threads())
+    if key not in _cache:
+        x = torch.randn(_pool(w), w.shape[1], generator=torch.Generator().manual_seed(0)).to(dtype)
+        alone = torch.cat([_mm(w, row) for row in x.split(1)])
+        _cache[key] = not torch.equal(torch.cat([_mm(w, pair) for pair in x.split(2)]), alone)
+    return _cache[key]
+
+
+def plan_pads(model) -> dict[str, bool]:
+    """For each product of a half-precision model: whether a single row is padded to two (model.linear). ~0.5 s for
+    the default model here, at load."""
+    return {key: needs_pad(w, model.dtype) for key, (_, w) in products(model).items()}
+
+
+def safe_rows(w, dtype: torch.dtype, limit: int = MAX_ROWS, pad: bool = False) -> int:
     """The largest c <= limit such that, for every n in 2..c, each of n rows multiplied together with `w` has the
-    bits it has alone (as model.linear computes one row); 1 when even two rows differ. A kernel's sums run in
+    bits it has in a step (one row, padded to two where `pad`); 1 when even two rows differ. A kernel's sums run in
     another order from some row count on, but whether that changes a rounded output depends on the values (two
     draws of 64 rows found the unpadded bfloat16 down projection differing from 11 and from 17 rows on; a pool
     of 256, from 2), so every count is tried on a pool of random rows cut into batches of that count: 256 rows
     (64 for a product over 4M weights, the LM head), ~150K outputs of the down projection per count."""
-    key = (tuple(w.shape), dtype, type(w).__name__, getattr(w, "setting", ""), torch.get_num_threads(), limit)
+    key = (tuple(w.shape), dtype, type(w).__name__, getattr(w, "setting", ""), torch.get_num_threads(), limit, pad)
     if key in _cache:
         return _cache[key]
-    pool = 64 if w.shape[0] * w.shape[1] > 1 << 22 else 256
+    pool = _pool(w)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(pool, w.shape[1], generator=g).to(dtype)
-    alone = torch.cat([_mm(w, x[i : i + 1]) for i in range(pool)])
+    alone = torch.cat([_mm(w, x[i : i + 1], pad) for i in range(pool)])
     safe = 1
     for n in range(2, limit + 1):
         m = pool // n * n
@@ -58,16 +89,12 @@ def safe_rows(w, dtype: torch.dtype, limit: int = MAX_ROWS) -> int:
 
 
 def plan_rows(model) -> tuple[dict[str, int], str | None]:
-    """For each product of `model` (its fused names, the same shape in every layer), the piece size a tree's rows
-    go through it in; and a sentence when some product cannot take even two rows at once (then trees cannot
-    pay: the run should decode without drafts)."""
-    layer = model.layers[0]
-    named = {"wqkv": ("q/k/v projection", layer["wqkv"]), "wo": ("output projection", layer["wo"]),
-             "w_gate_up": ("gate/up projection", layer["w_gate_up"]), "w_down": ("down projection", layer["w_down"]),
-             "lm_head": ("LM head", model.lm_head)}
+    """For each product of `model` (its fused names), the piece size a tree's rows go through it in; and a sentence
+    when some product cannot take even two rows at once (then trees cannot pay: the run should decode without
+    drafts)."""
     rows = {}
-    for key, (what, w) in named.items():
-        rows[key] = safe_rows(w, model.dtype)
+    for key, (what, w) in products(model).items():
+        rows[key] = safe_rows(w, model.dtype, pad=model.pads.get(key, False))
         if rows[key] == 1:
             kind = f"the {w.setting} kernel" if not isinstance(w, torch.Tensor) else f"the {str(model.dtype)[6:]} matmul"
             return rows, f"{kind} of the {what} gives a row other bits among 2 rows than alone here"

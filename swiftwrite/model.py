@@ -128,7 +128,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, rows: int | None = None,
+           pad: bool = False) -> torch.Tensor:
     """x @ w.T. In float32 on a CPU, computing (w @ x.T).T for a few rows picks a BLAS kernel that reads the
     weight once for all rows; F.linear's small-M path on this CPU class costs nearly n times a single row
     (bench/forward_cost.py measured 176 us vs 118 us for 2 rows of a 3072x576 matrix, 429 vs 325 us for 16),
@@ -137,20 +138,20 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, rows
     default model 27.6 ms vs 17.3 ms, bench/dtype_cost.py), and on a GPU F.linear is cuBLAS's own path.
     A quantized weight (quant.py, --weights int8/int4) runs its own kernel.
 
-    Half precision on a CPU pads one row to two as well, for exactness rather than speed: torch's bfloat16 matmul
-    gives a single row other bits than the same row among 2..64 rows for the default model's down projection
-    (1,536 inputs), while every count from 2 up agrees (exact.py measures it), so with the pad a decoding step and
-    a tree's node round alike. `rows` (a tree's forward on an exact model, exact.py): at most that many rows per
-    product, a count measured to give each row the bits it has in a step."""
+    `pad` (half precision on a CPU, for the products exact.needs_pad finds) pads one row to two as well, for
+    exactness rather than speed: torch's bfloat16 matmul gives a single row other bits than the same row among
+    2..64 rows for the default model's down projection (1,536 inputs), while every count from 2 up agrees, so with
+    the pad a decoding step and a tree's node round alike. `rows` (a tree's forward on an exact model, exact.py):
+    at most that many rows per product, a count measured to give each row the bits it has in a step."""
     if rows is not None and x.shape[0] > rows:
-        return torch.cat([linear(piece, w, b) for piece in x.split(rows)])
+        return torch.cat([linear(piece, w, b, pad=pad) for piece in x.split(rows)])
     if not isinstance(w, torch.Tensor):
         y = w.mm(x)
         return y + b if b is not None else y
     if x.device.type != "cpu":
         return F.linear(x, w, b)
     if x.dtype != torch.float32:
-        return F.linear(x.repeat(2, 1), w, b)[:1] if x.shape[0] == 1 else F.linear(x, w, b)
+        return F.linear(x.repeat(2, 1), w, b)[:1] if pad and x.shape[0] == 1 else F.linear(x, w, b)
     if x.shape[0] == 1:
         y = (w @ x.repeat(2, 1).t())[:, :1].t()
     else:
@@ -335,6 +336,13 @@ class LeanModel:
                 layer["q_norm"] = get(a + "q_norm.weight")
                 layer["k_norm"] = get(a + "k_norm.weight")
             self.layers.append(layer)
+        # product -> pad single rows to two (half precision on a CPU, where one row alone rounds otherwise): fixed at
+        # load, before any step, so plain and speculative runs compute a step's row alike
+        self.pads: dict[str, bool] = {}
+        if not quantized and self.exact_rows and self.device.type == "cpu":
+            from .exact import plan_pads
+
+            self.pads = plan_pads(self)
         self.cos, self.sin = rope_tables(cfg, cfg.max_positions, self.device, dtype)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         if attention not in ATTENTIONS:
@@ -487,25 +495,28 @@ class LeanModel:
         x = self.embed[ids] if isinstance(self.embed, torch.Tensor) else self.embed.index_select(0, ids).to(self.dtype)
         q_size, kv_size = H * D, KV * D
         inter = cfg.intermediate_size
-        r = rows or {}
+        r, pad = rows or {}, self.pads
         for li, L in enumerate(self.layers):
             h = rms_norm(x, L["in_norm"], cfg.rms_eps)
-            qkv = linear(h, L["wqkv"], L["bqkv"], r.get("wqkv"))
+            qkv = linear(h, L["wqkv"], L["bqkv"], r.get("wqkv"), pad.get("wqkv", False))
             q = qkv[:, :q_size].view(n, H, D).transpose(0, 1)
             k = qkv[:, q_size : q_size + kv_size].view(n, KV, D).transpose(0, 1)
             v = qkv[:, q_size + kv_size :].view(n, KV, D).transpose(0, 1)
             if cfg.qk_norm:
                 q = rms_norm(q, L["q_norm"], cfg.rms_eps)
                 k = rms_norm(k, L["k_norm"], cfg.rms_eps)
-            x = x + linear(attend(li, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v), L["wo"], L["bo"], r.get("wo"))
+            o = attend(li, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+            x = x + linear(o, L["wo"], L["bo"], r.get("wo"), pad.get("wo", False))
             h = rms_norm(x, L["post_norm"], cfg.rms_eps)
-            gu = linear(h, L["w_gate_up"], L["b_gate_up"], r.get("w_gate_up"))
-            x = x + linear(F.silu(gu[:, :inter]) * gu[:, inter:], L["w_down"], L["b_down"], r.get("w_down"))
+            gu = linear(h, L["w_gate_up"], L["b_gate_up"], r.get("w_gate_up"), pad.get("w_gate_up", False))
+            x = x + linear(F.silu(gu[:, :inter]) * gu[:, inter:], L["w_down"], L["b_down"], r.get("w_down"),
+                           pad.get("w_down", False))
         return x
 
     def _logits(self, hidden: torch.Tensor, logits_for, rows: dict[str, int] | None = None) -> torch.Tensor:
         h = hidden if logits_for is None else hidden[logits_for]
-        return linear(rms_norm(h, self.final_norm, self.cfg.rms_eps), self.lm_head, None, (rows or {}).get("lm_head")).float()
+        return linear(rms_norm(h, self.final_norm, self.cfg.rms_eps), self.lm_head, None, (rows or {}).get("lm_head"),
+                      self.pads.get("lm_head", False)).float()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -50,14 +50,15 @@ class Drifting:
 @pytest.mark.parametrize("shape", [(128, 64), (96, 64), (64, 96), (576, 1536), (3072, 576)])
 def test_a_half_precision_products_rows_get_the_bits_of_a_step_at_every_count_and_place(shape):
     """Every row count 1..64 and every row within it: linear() with the measured piece size gives each row the bits
-    the same row gets alone (as a decoding step computes it: in half precision, padded to two rows)."""
+    the same row gets alone (as a decoding step computes it: padded to two rows where one row rounds otherwise)."""
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(*shape, generator=g) * 0.1).to(BF16)
-    rows = exact.safe_rows(w, BF16)
+    pad = exact.needs_pad(w, BF16)
+    rows = exact.safe_rows(w, BF16, pad=pad)
     assert rows > 1
     x = torch.randn(64, shape[1], generator=g).to(BF16)
-    alone = torch.cat([linear(x[i : i + 1], w) for i in range(64)])
-    differ = [n for n in range(2, 65) if not torch.equal(linear(x[:n], w, rows=rows), alone[:n])]
+    alone = torch.cat([linear(x[i : i + 1], w, pad=pad) for i in range(64)])
+    differ = [n for n in range(2, 65) if not torch.equal(linear(x[:n], w, rows=rows, pad=pad), alone[:n])]
     assert differ == [], f"rows computed among {differ} rows differ from the same rows alone"
 
 
@@ -215,8 +216,8 @@ def test_a_bfloat16_run_whose_probe_fails_drafts_nothing_says_why_and_completes(
     monkeypatch.setattr(exact, "_cache", {})
     monkeypatch.setattr(bf16, "rows", None)
     real = model_mod.linear
-    monkeypatch.setattr(exact, "_mm", lambda w, x: real(x, Drifting(w, start=2)) if isinstance(w, torch.Tensor)
-                        else real(x, w))
+    monkeypatch.setattr(exact, "_mm", lambda w, x, pad=False: real(x, Drifting(w, start=2))
+                        if isinstance(w, torch.Tensor) else real(x, w))
     said.clear()
     engine = loading.build_engine(Config(draft="recycling", dtype="bfloat16"), lm, Window(CONTEXT, 24), 100, display)
     assert len(engine.sources) == 0
