@@ -13,22 +13,15 @@ from swiftwrite import exact, model as model_mod
 from swiftwrite.engine import Engine, make_sources
 from swiftwrite.heads import HeadsDrafter
 from swiftwrite.model import linear, load_lean
-from swiftwrite.sampling import Sampler, SamplerSettings
+from swiftwrite.sampling import Sampler
 from swiftwrite.train_heads import fit
 from swiftwrite.window import Window
-from tiny import sharpened_tiny_model
+from tiny_lossless import CONTEXT, DRAFTS, SETTINGS, VOCAB, generate, prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BF16 = torch.bfloat16
-VOCAB = 128
-CONTEXT = 256  # the tiny model's window: the context is rebuilt every ~117 tokens
 N = 1500
-SETTINGS = {
-    "greedy": SamplerSettings(penalty=1.3, window=32),
-    "sample": SamplerSettings(temperature=0.8, min_p=0.1, penalty=1.3, window=32, seed=3),
-}
-DRAFTS = {"recycling": ["recycling"], "ngram": ["ngram"], "heads": ["heads"], "all": ["recycling", "ngram", "heads"]}
 
 
 class Drifting:
@@ -81,18 +74,12 @@ def test_the_probe_finds_the_count_a_kernel_changes_its_sums_at_and_pieces_keep_
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path, _ = sharpened_tiny_model("qwen3", 4.0, seed=1, out_dir=tmp_path_factory.mktemp("q"), vocab_size=VOCAB,
-                                   max_position_embeddings=CONTEXT)
-    return path
+    return tiny_model(tmp_path_factory.mktemp("q"))
 
 
 @pytest.fixture(scope="module")
 def bf16(tiny):
     return load_lean(tiny, dtype=BF16)
-
-
-def prompt(n=24):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(5)).tolist()
 
 
 def random_tree(n: int, seed: int) -> list[int]:
@@ -151,16 +138,6 @@ def test_the_tree_probe_passes_here_and_catches_attention_whose_rows_depend_on_t
 # Lossless in bfloat16
 
 
-def generate(model, settings, names=(), heads=None, n=N, budget=16):
-    sources, stats = make_sources(list(names), VOCAB, heads=heads)
-    p = prompt()
-    engine = Engine(model, Sampler(settings, VOCAB), Window(CONTEXT, len(p)), sources, stats,
-                    budget=budget if names else None, capacity=len(p) + n + 1)
-    engine.start(p)
-    steps = list(engine.run(n))
-    return [t for s in steps for t in s.tokens], steps
-
-
 @pytest.fixture(scope="module")
 def heads(bf16):
     texts = [prompt() + generate(bf16, s, n=800)[0] for s in SETTINGS.values()]
@@ -171,14 +148,14 @@ def heads(bf16):
 
 @pytest.fixture(scope="module")
 def plain(bf16):
-    return {s: generate(bf16, SETTINGS[s])[0] for s in SETTINGS}
+    return {s: generate(bf16, SETTINGS[s], n=N)[0] for s in SETTINGS}
 
 
 @pytest.mark.parametrize("draft", list(DRAFTS))
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_speculative_equals_plain_in_bfloat16_across_context_rebuilds(bf16, plain, heads, setting, draft):
     factory = HeadsDrafter.factory(heads, bf16) if "heads" in DRAFTS[draft] else None
-    got, steps = generate(bf16, SETTINGS[setting], DRAFTS[draft], heads=factory)
+    got, steps = generate(bf16, SETTINGS[setting], DRAFTS[draft], heads=factory, n=N)
     ref = plain[setting]
     first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
     assert first is None and len(got) == N, f"differs from plain decoding at token {first}"

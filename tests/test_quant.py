@@ -18,21 +18,15 @@ from swiftwrite.engine import Engine, make_sources
 from swiftwrite.errors import UserError
 from swiftwrite.heads import HeadsDrafter
 from swiftwrite.model import ModelConfig, load_lean, read_hf_config
-from swiftwrite.sampling import Sampler, SamplerSettings
+from swiftwrite.sampling import Sampler
 from swiftwrite.train_heads import fit
 from swiftwrite.window import Window
 from tiny import sharpened_tiny_model
+from tiny_lossless import CONTEXT, DRAFTS, SETTINGS, VOCAB, generate, prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-VOCAB = 128
-CONTEXT = 256  # the tiny model's window: the context is rebuilt every ~117 tokens
 N = 2000
-SETTINGS = {
-    "greedy": SamplerSettings(penalty=1.3, window=32),
-    "sample": SamplerSettings(temperature=0.8, min_p=0.1, penalty=1.3, window=32, seed=3),
-}
-DRAFTS = {"recycling": ["recycling"], "ngram": ["ngram"], "heads": ["heads"], "all": ["recycling", "ngram", "heads"]}
 
 
 @pytest.fixture(autouse=True)
@@ -42,9 +36,7 @@ def private_store(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path, _ = sharpened_tiny_model("qwen3", 4.0, seed=1, out_dir=tmp_path_factory.mktemp("q"), vocab_size=VOCAB,
-                                   max_position_embeddings=CONTEXT)
-    return path
+    return tiny_model(tmp_path_factory.mktemp("q"))
 
 
 @pytest.fixture(scope="module")
@@ -56,20 +48,6 @@ def quantized(tiny, tmp_path_factory):
         yield {w: load_lean(tiny, weights=w) for w in ("float", "int8", "int4")}
     finally:
         mp.undo()
-
-
-def prompt(n=24):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(5)).tolist()
-
-
-def generate(model, settings, names=(), heads=None, n=N):
-    sources, stats = make_sources(list(names), VOCAB, heads=heads)
-    p = prompt()
-    engine = Engine(model, Sampler(settings, VOCAB), Window(CONTEXT, len(p)), sources, stats,
-                    budget=16 if names else None, capacity=len(p) + n + 1)
-    engine.start(p)
-    steps = list(engine.run(n))
-    return [t for s in steps for t in s.tokens], steps
 
 
 # ---------------------------------------------------------------------------------------------------------
