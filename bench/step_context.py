@@ -26,24 +26,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def weight_bytes(model) -> int:
-    """Bytes of every product a step multiplies with (q/k/v, output, gate/up, down per layer, and the LM head)."""
-    from swiftwrite.exact import products
-
-    def size(w) -> int:
-        if hasattr(w, "tensors"):  # a quantized weight: its packed codes and its scales
-            return sum(t.numel() * t.element_size() for t in w.tensors("w").values())
-        return w.numel() * w.element_size()
-
-    per_layer = sum(size(model.layers[0][k]) for k in ("wqkv", "wo", "w_gate_up", "w_down"))
-    return per_layer * model.cfg.n_layers + size(products(model)["lm_head"][1])
-
-
 def one_setting(weights: str, contexts: list[int], steps: int, repeats: int, threads: int) -> dict:
     import torch
 
     from swiftwrite import loading
     from swiftwrite.config import Config
+    from swiftwrite.devices import weight_bytes
     from swiftwrite.ui import Display
 
     torch.set_num_threads(threads)
@@ -71,7 +59,7 @@ def one_setting(weights: str, contexts: list[int], steps: int, repeats: int, thr
                 cache.length += 1
             best = min(best, (time.perf_counter() - t) / steps)
         rows.append({"context": ctx, "ms_per_step": round(best * 1e3, 2), "kv_bytes_read": kv_per_token * (ctx + steps // 2)})
-    wb = weight_bytes(m)
+    wb = weight_bytes(cfg, m.dtype, m.weights)  # for a tied model: exactly the products a step reads
     bandwidth = wb / (rows[0]["ms_per_step"] / 1e3)  # bytes/s the shortest-context step reads its weights at, at least
     for r in rows:
         r["kv_share_of_bytes"] = round(r["kv_bytes_read"] / (r["kv_bytes_read"] + wb), 3)
