@@ -59,7 +59,7 @@ def generate(
     weights: Optional[str] = Opt(None, metavar="NAME", help="auto | float | int8 | int4: quantized linear layers on the CPU (default auto = float)."),
     attention: Optional[str] = Opt(None, metavar="NAME", help="auto | torch | triton | flash (GPU kernels; default auto)."),
     cuda_graphs: Optional[bool] = Opt(None, "--cuda-graphs", help="Replay verification forwards from CUDA graphs (GPU)."),
-    threads: Optional[str] = Opt(None, metavar="N", help="CPU threads; 0 = torch's default."),
+    threads: Optional[str] = Opt(None, metavar="N", help="CPU threads; 0 = torch's default, fewer while other processes keep cores busy (same text)."),
     outline: Optional[str] = Opt(None, metavar="FILE", help="Markdown outline to follow: '## ' headings, notes, {tokens: N} budgets."),
     plan: Optional[bool] = Opt(None, "--plan", help="Let the model write the outline from the brief first, then the document."),
     plan_only: Optional[bool] = Opt(None, "--plan-only", help="Write the planned outline and stop (edit it, pass it to --outline)."),

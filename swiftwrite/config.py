@@ -84,7 +84,9 @@ class Config:
     # replay the verification and decoding forwards from CUDA graphs (trees padded to 1, 2, 4 .. 64 nodes);
     # CUDA with the Triton kernel only. Off by default until a GPU run shows it pays (bench/gpu_check.sh)
     cuda_graphs: bool = False
-    threads: int = 0  # torch CPU threads; 0 = torch's default
+    # torch CPU threads; 0 = torch's default, lowered while other processes keep cores busy and raised again
+    # after, through counts a probe shows give the same bits (threads.py); N fixes the count
+    threads: int = 0
     # a Markdown outline to follow: '## ' headings, optional notes under them, optional {tokens: N} budgets;
     # "" = none. Read once at `generate`; the run directory keeps the plan, so `resume` never reads it again
     outline: str = ""

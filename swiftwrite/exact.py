@@ -101,22 +101,28 @@ def plan_rows(model) -> tuple[dict[str, int], str | None]:
     return rows, None
 
 
-@torch.inference_mode()
-def tree_probe(model, prefix: int = 12) -> str | None:
-    """A 6-node branching tree after a `prefix`-token prefill, against each node's path run one token at a time
-    (how plain decoding computes it): None when every node's logits are the same bits, else a sentence."""
-    g = torch.Generator().manual_seed(0)
-    vocab = model.cfg.vocab_size
-    ids = torch.randint(0, vocab, (prefix,), generator=g).to(model.device)
-    tree = torch.randint(0, vocab, (6,), generator=g).to(model.device)
+def probe_tree(vocab: int, device, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 6-node branching tree of random ids (two levels, a node with two children and one with one): ids,
+    depths and the ancestor mask, as the engine builds them."""
+    tree = torch.randint(0, vocab, (6,), generator=g).to(device)
     parents = [-1, 0, 0, 1, 1, 2]
-    depth = torch.tensor([0, 1, 1, 2, 2, 2], device=model.device)
-    mask = torch.zeros(6, 6, dtype=torch.bool, device=model.device)
+    depth = torch.tensor([0, 1, 1, 2, 2, 2], device=device)
+    mask = torch.zeros(6, 6, dtype=torch.bool, device=device)
     for i, p in enumerate(parents):
         mask[i, i] = True
         while p >= 0:
             mask[i, p] = True
             p = parents[p]
+    return tree, depth, mask
+
+
+@torch.inference_mode()
+def tree_probe(model, prefix: int = 12) -> str | None:
+    """A 6-node branching tree after a `prefix`-token prefill, against each node's path run one token at a time
+    (how plain decoding computes it): None when every node's logits are the same bits, else a sentence."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.cfg.vocab_size, (prefix,), generator=g).to(model.device)
+    tree, depth, mask = probe_tree(model.cfg.vocab_size, model.device, g)
     cache = model.new_cache(prefix + 8)
     model.forward(ids, torch.arange(prefix, device=model.device), cache)
     cache.length = prefix

@@ -143,6 +143,7 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
              sched: outlines.Schedule | None = None) -> int:
     import torch
 
+    from . import threads
     from .engine import SOURCES
 
     target = cfg.tokens
@@ -172,6 +173,8 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
     armed = repeat < cfg.stop_on_loop
     stopped = None  # why the run ended early: "loop", "signal"
     d4, d1, d4_at = None, None, 0.0
+    # --threads 0 on a CPU: the thread count follows the machine's load, through counts that give the same bits
+    gov = threads.governor_for(engine.model, cfg.threads, lm.device)
     t0 = time.perf_counter()
 
     def recent_distinct() -> float | None:
@@ -210,6 +213,7 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
             "kv_cache_bytes": engine.cache.nbytes, "peak_rss_bytes": _rss(), "model_fingerprint": rd.fingerprint,
             "weights": lm.weights, "text_pending_tokens": len(stream.pending), "earlier_processes": history,
             "longest_current_repeat": repeat, **({"stopped": stopped} if stopped else {}),
+            "threads": torch.get_num_threads(), **({"thread_changes": gov.changes} if gov else {}),
             # where each section's heading starts (output token index): resume checks its replay against it
             **({"sections": {"count": len(sched.plan.sections), "starts": list(sched.starts)},
                 "forced_tokens": forced} if sched else {}),
@@ -275,6 +279,8 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
                 if since >= cfg.chunk and done < target:  # the last chunk is the final checkpoint below
                     checkpoint()
                 display.update(progress())
+                if gov is not None and (moved := gov.tick()):
+                    display.info(moved)
                 if intr.signum:
                     break
             if intr.signum and done < target:  # a signal on the very last step is simply a finished run
