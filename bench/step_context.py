@@ -9,7 +9,9 @@ the sampler) at each context: --steps steps from that length on, best of --repea
 step must read, the products' weights (the same at every context) and the K/V of every layer up to the context
 (K and V of every KV head, in the cache's dtype), and what that costs at the bandwidth the weights-only step
 implies (its weight bytes over its time at the shortest context). Random ids give the same work as text: the
-forward's cost does not depend on the ids.
+forward's cost does not depend on the ids. A setting such as `int4:bfloat16` runs the rest of the forward (norms,
+attention, residual stream) and the KV cache in bfloat16: half the K/V bytes, which is what a bfloat16 KV cache would
+save, measured with the attention this CPU then runs.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def one_setting(weights: str, contexts: list[int], steps: int, repeats: int, thr
     from swiftwrite.ui import Display
 
     torch.set_num_threads(threads)
-    lm = loading.load(Config(weights=weights, threads=threads), Display("quiet"))
+    weights, _, dtype = weights.partition(":")  # "int4:bfloat16": int4 products, the rest (and the K/V) in bfloat16
+    lm = loading.load(Config(weights=weights, threads=threads, dtype=dtype or "float32"), Display("quiet"))
     m = lm.model
     cfg = m.cfg
     top = max(contexts) + steps
@@ -64,13 +67,15 @@ def one_setting(weights: str, contexts: list[int], steps: int, repeats: int, thr
     for r in rows:
         r["kv_share_of_bytes"] = round(r["kv_bytes_read"] / (r["kv_bytes_read"] + wb), 3)
         r["kv_ms_at_that_bandwidth"] = round(r["kv_bytes_read"] / bandwidth * 1e3, 2)
-    return {"weights": weights, "kv_dtype": str(cache.k.dtype).replace("torch.", ""), "weight_bytes_per_step": wb,
+    return {"weights": weights, "dtype": str(m.dtype).replace("torch.", ""), "kv_dtype": str(cache.k.dtype).replace("torch.", ""), "weight_bytes_per_step": wb,
             "kv_bytes_per_context_token": kv_per_token, "implied_bandwidth_gb_s": round(bandwidth / 1e9, 1), "rows": rows}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--weights", default="float,int4", help="comma-separated: float, int8, int4")
+    ap.add_argument("--weights", default="float,int4",
+                    help="comma-separated: float, int8, int4, each optionally :bfloat16 (the rest of the forward and "
+                         "the KV cache in bfloat16, half the K/V bytes)")
     ap.add_argument("--contexts", default="256,1024,2048,4096,8000")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
