@@ -86,15 +86,19 @@ def signature(model) -> list[torch.Tensor]:
     return [chunk, step, nodes, cache.k[:, :, :end].clone(), cache.v[:, :, :end].clone()]
 
 
-def same_bits(model, threads: int, reference: list[torch.Tensor]) -> bool:
-    """True when `model` at `threads` threads computes `reference` (its signature at the starting count) exactly.
-    The thread count is left as it was."""
+def signature_at(model, threads: int) -> list[torch.Tensor]:
+    """`signature` at `threads` threads; the thread count is left as it was."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return all(torch.equal(a, b) for a, b in zip(signature(model), reference))
+        return signature(model)
     finally:
         torch.set_num_threads(before)
+
+
+def same_bits(model, threads: int, reference: list[torch.Tensor]) -> bool:
+    """True when `model` at `threads` threads computes `reference` (its signature at the starting count) exactly."""
+    return all(torch.equal(a, b) for a, b in zip(signature_at(model, threads), reference))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -162,16 +166,8 @@ def governor_for(model, threads_flag: int, device_type: str) -> Governor | None:
 
     def probe(threads: int) -> bool:
         if not reference:
-            reference.extend(_at(model, most))
+            reference.extend(signature_at(model, most))
         return same_bits(model, threads, reference)
 
     return Governor(most, probe)
 
-
-def _at(model, threads: int) -> list[torch.Tensor]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return signature(model)
-    finally:
-        torch.set_num_threads(before)
