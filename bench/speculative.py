@@ -14,16 +14,14 @@ from rich.markdown import Markdown
 
 from swiftwrite import bench
 
-ROOT = Path(__file__).resolve().parent.parent
-
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--tokens", type=int, default=2000)
 ap.add_argument("--repeats", type=int, default=1)
 ap.add_argument("--methods", default=",".join(bench.DEFAULT))
 ap.add_argument("--settings", default="greedy,sample")
-ap.add_argument("--prompts", default="lighthouse.txt")
+ap.add_argument("--prompts", default="creative", help="workloads (creative, grounded, revision, structured) or prompt files")
 ap.add_argument("--out", type=Path, default=None)
 a = ap.parse_args()
-report = bench.run(a.methods.split(","), a.settings.split(","), [ROOT / "prompts" / p for p in a.prompts.split(",")],
+report = bench.run(a.methods.split(","), a.settings.split(","), a.prompts.split(","),
                    a.tokens, a.repeats, a.out, log=lambda m: print(m, file=sys.stderr, flush=True))
 Console().print(Markdown(bench.markdown(report)))

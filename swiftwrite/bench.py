@@ -47,6 +47,31 @@ SETTINGS = {
 }
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What a user asks for: a brief (a file in prompts/), a template, and the document it draws on (--source)."""
+    brief: str
+    template: str
+    source: str | None = None
+
+
+# Creative text leaves drafts little to guess; text that draws on a supplied document leaves a lot (names,
+# figures and whole phrases come back), which is where reuse of the prompt's n-grams should pay.
+WORKLOADS = {
+    "creative": Workload("lighthouse.txt", "novel"),
+    "grounded": Workload("grid.txt", "report", "grid-source.md"),  # a report on a ~3,000-token briefing
+    "revision": Workload("grid-revise.txt", "revise", "grid-draft.md"),  # rewrite a draft with light edits
+    "structured": Workload("grid.txt", "structured", "grid-source.md"),  # tables and lists from the briefing
+}
+
+
+def workload(name: str) -> Workload:
+    """A workload by name, or a prompt file (or path) with the template its name suggests and no source."""
+    if name in WORKLOADS:
+        return WORKLOADS[name]
+    return Workload(name, "report" if "report" in Path(name).name else "novel")
+
+
 @dataclass
 class Result:
     method: str
@@ -130,12 +155,29 @@ def validate(methods: list[str], settings: list[str], repeats: int, tokens: int,
             raise UserError(f"bench output directory {out} is not writable ({e.strerror}).") from None
 
 
-def run(methods: list[str], settings: list[str], prompts: list[Path], tokens: int, repeats: int, out: Path | None,
+def find_prompt(name: str) -> Path:
+    """A file named in prompts/ (the checkout's or the installed templates), else the path as given."""
+    from .prompt import TEMPLATE_DIRS
+
+    return next((d / name for d in (Path("."), *TEMPLATE_DIRS) if (d / name).is_file()), Path(name))
+
+
+def check_workloads(names: list[str]) -> None:
+    missing = [str(find_prompt(f)) for n in names for f in (workload(n).brief, workload(n).source)
+               if f and not find_prompt(f).is_file()]
+    if missing:
+        raise UsageError(f"prompt file(s) {', '.join(missing)} not found; give workloads ({', '.join(WORKLOADS)}), "
+                         "files in prompts/ or paths.")
+
+
+def run(methods: list[str], settings: list[str], prompts: list[str], tokens: int, repeats: int, out: Path | None,
         model: str = "smollm2-135m", log=print) -> dict:
+    """`prompts`: workload names (WORKLOADS) or prompt files."""
     from . import loading, prompt
     from .ui import Display
 
     validate(methods, settings, repeats, tokens, out)
+    check_workloads(prompts)
     display = Display("quiet")
     lm = loading.load(Config(model=model), display)
     hf = None
@@ -146,18 +188,22 @@ def run(methods: list[str], settings: list[str], prompts: list[Path], tokens: in
 
         keep_float_copy(lm.ref.path)  # transformers reads safetensors: a GGUF store model's float copy
         hf = AutoModelForCausalLM.from_pretrained(str(lm.ref.path), dtype=torch.float32).eval()
-    prompt_ids = {}
+    prompt_ids, text_start = {}, {}
     for p in prompts:
-        brief = prompt.read_prompt(str(p))
-        ids = prompt.prompt_ids(lm.tok, prompt.apply_template(brief, "novel" if "report" not in p.name else "report"), False)
+        w = workload(p)
+        brief = prompt.read_prompt(str(find_prompt(w.brief)))
+        source = prompt.read_source(str(find_prompt(w.source))) if w.source else None
+        ids = prompt.prompt_ids(lm.tok, prompt.apply_template(brief, w.template, source), False)
         if len(ids) + tokens > lm.model.cfg.max_positions:
             raise UsageError(f"{p} ({len(ids)} tokens) plus {tokens} new tokens does not fit the model's "
                              f"{lm.model.cfg.max_positions} positions; use fewer --tokens.")
-        prompt_ids[p.name] = ids
+        name = p if p in WORKLOADS else Path(p).name
+        prompt_ids[name] = ids
+        text_start[name] = len(ids) if source else 0  # as loading.text_start_for: with a source, the written text
     # Warm-up, untimed: the first forwards of each shape pay for allocator and kernel set-up.
     first = next(iter(prompt_ids.values()))
     for method in {"none", "all", *(m for m in methods if m.startswith("hf"))} & set(methods) | {"none"}:
-        _one(method, SETTINGS["greedy"], first, 16, lm, hf, display)
+        _one(method, SETTINGS["greedy"], first, 16, lm, hf, display, 0)
     results: dict[tuple, Result] = {}
     for rep in range(repeats):
         for setting in settings:
@@ -165,7 +211,7 @@ def run(methods: list[str], settings: list[str], prompts: list[Path], tokens: in
                 for method in methods:
                     r = results.setdefault((method, setting, pname), Result(method, setting, pname, [], []))
                     _reset_peak_rss()
-                    o = _one(method, SETTINGS[setting], ids, tokens, lm, hf, display)
+                    o = _one(method, SETTINGS[setting], ids, tokens, lm, hf, display, text_start[pname])
                     r.seconds.append(o.seconds)
                     r.tokens, r.forwards, r.per_source, r.draft_forwards, r.trace = \
                         o.tokens, o.forwards, o.per_source, o.draft_forwards, o.trace
@@ -180,7 +226,7 @@ def run(methods: list[str], settings: list[str], prompts: list[Path], tokens: in
     return report
 
 
-def _one(method, setting, ids, n, lm, hf, display):
+def _one(method, setting, ids, n, lm, hf, display, text_start=0):
     from .loading import build_engine, fit_budget
 
     if method.startswith("hf"):
@@ -199,7 +245,7 @@ def _one(method, setting, ids, n, lm, hf, display):
         secs = time.perf_counter() - t
         return One(secs, y[0, len(ids):].tolist())
     cfg = Config(tokens=n, **METHODS[method], **setting).validate()
-    engine = build_engine(cfg, lm, len(ids), len(ids) + n, display)
+    engine = build_engine(cfg, lm, len(ids), len(ids) + n, display, text_start)
     engine.start(ids)
     fit_budget(engine, lm, cfg, display, upto=len(ids) + n)
     per = {s.name: 0 for s in engine.sources}

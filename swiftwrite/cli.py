@@ -30,7 +30,8 @@ def generate(
     tokens: Optional[str] = Opt(None, metavar="N", help="New tokens to write (default 2000)."),
     out: Optional[Path] = Opt(None, metavar="FILE", help="Write the text to this file instead of standard output."),
     run_dir: Optional[Path] = Opt(None, metavar="DIR", help="Run directory (default runs/<slug>-<time>)."),
-    template: Optional[str] = Opt(None, metavar="NAME", help="novel | report | none."),
+    template: Optional[str] = Opt(None, metavar="NAME", help="novel | report | structured | revise | none."),
+    source: Optional[str] = Opt(None, metavar="FILE", help="A document to draw on (a report's material; the draft revise rewrites), put in the prompt."),
     raw: Optional[bool] = Opt(None, "--raw", help="Continue the prompt as plain text, no chat template."),
     config: Optional[Path] = Opt(None, metavar="FILE", help="YAML file with options."),
     seed: Optional[str] = Opt(None, metavar="S", help="Sampling seed, 0 to 2^32-1 (default 0)."),
@@ -76,7 +77,7 @@ def generate(
     from . import config as config_mod
     from .writer import generate as run
 
-    flags = dict(model=model, tokens=tokens, template=template, raw=raw, seed=seed, temperature=temperature,
+    flags = dict(model=model, tokens=tokens, template=template, source=source, raw=raw, seed=seed, temperature=temperature,
                  top_p=top_p, min_p=min_p, top_k=top_k, penalty=penalty, penalty_window=penalty_window,
                  dry_multiplier=dry_multiplier, dry_base=dry_base, dry_allowed_length=dry_allowed_length,
                  dry_window=dry_window, dry_breakers=dry_breakers, stop_on_loop=stop_on_loop,
@@ -111,7 +112,7 @@ def resume(
 def bench(
     methods: Optional[str] = Opt(None, help="Comma-separated: hf, hf-lookup, none, recycling, recycling-static, ngram, heads, heads-2pass, all, all-2pass, all-b2..b16."),
     settings: str = Opt("greedy,sample", help="Comma-separated: greedy, sample (penalty on), greedy-nopenalty."),
-    prompts: str = Opt("lighthouse.txt", help="Comma-separated prompt files from prompts/ (or paths)."),
+    prompts: str = Opt("creative", help="Comma-separated workloads (creative, grounded, revision, structured: a brief, a template and a source document from prompts/) or prompt files."),
     tokens: Optional[str] = Opt(None, help="New tokens per run (default 2000; 300 with --quick)."),
     repeats: Optional[str] = Opt(None, help="Repeats per method (median reported; default 1)."),
     quick: bool = Opt(False, "--quick", help="hf, none and all, greedy only, 300 tokens: about two minutes."),
@@ -120,17 +121,12 @@ def bench(
     """Measure every decoding method side by side on this machine (interleaved, same prompts and settings)."""
     from .bench import DEFAULT, QUICK, markdown, run
     from .config import coerce
-    from .prompt import TEMPLATE_DIRS
 
     n = coerce("tokens", tokens, "command line") if tokens is not None else (300 if quick else 2000)
     reps = coerce("chunk", repeats, "command line") if repeats is not None else 1
     names = methods.split(",") if methods else (QUICK if quick else DEFAULT)
     setting_names = ["greedy"] if quick and settings == "greedy,sample" else settings.split(",")
-    files = [next((d / p for d in (Path("."), *TEMPLATE_DIRS) if (d / p).is_file()), Path(p)) for p in prompts.split(",")]
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise UsageError(f"prompt file(s) {', '.join(missing)} not found; give files in prompts/ or paths.")
-    report = run(names, setting_names, files, n, reps, out, log=lambda m: print(m, file=sys.stderr, flush=True))
+    report = run(names, setting_names, prompts.split(","), n, reps, out, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(markdown(report))
 
 

@@ -19,7 +19,7 @@ from .errors import UsageError
 DRAFT_CHOICES = ("none", "recycling", "ngram", "heads", "all")
 HEAD_MODES = ("fused", "two-pass")
 DRAFT_SINKS = 16  # draftcache.SINKS, repeated so that reading options never imports torch
-TEMPLATES = ("novel", "report", "none")
+TEMPLATES = ("novel", "report", "structured", "revise", "none")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # float: every weight in --dtype; int8 / int4: the linear layers and the LM head weight-only quantized (quant.py);
@@ -38,7 +38,11 @@ MAX_TOKENS = 10_000_000  # far past any model's usefulness; catches a typo'd ext
 class Config:
     model: str = "smollm2-135m"  # alias, model directory, .gguf file or upstream id in the local HF cache
     tokens: int = 2000  # new tokens to write (end-of-text is suppressed until then unless stop_at_eos)
-    template: str = "none"  # novel | report | none: wrap the brief in a long-form instruction from prompts/
+    template: str = "none"  # novel | report | structured | revise | none: wrap the brief in an instruction from prompts/
+    # a text file the document draws on (a report's material, the draft `revise` rewrites), put in the prompt.
+    # With one, the penalty and the n-gram suppression count only the written text: restating the source's
+    # names and figures is the point, not a repeat. "" = none. Read once at `generate`, like an outline
+    source: str = ""
     raw: bool = False  # feed the prompt as plain text to continue, without the chat template
     seed: int = 0  # sampling seed in [0, 2^32); the noise at position p depends only on (seed, p)
     # 0.7 with min-p 0.1 and the penalty over 256 tokens keeps the 135M default model's prose at its own level
@@ -107,6 +111,8 @@ class Config:
                 need(math.isfinite(getattr(self, f.name)), f.name, "must be a finite number")
         need(1 <= self.tokens <= MAX_TOKENS, "tokens", f"must be between 1 and {MAX_TOKENS:,}")
         need(self.template in TEMPLATES, "template", f"must be one of {', '.join(TEMPLATES)}")
+        need(self.template != "revise" or bool(self.source), "template",
+             "revise rewrites a draft: give the draft with --source FILE")
         need(self.temperature >= 0, "temperature", "must be 0 (greedy) or positive")
         need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]; 1 turns it off")
         need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]; 0 turns it off")

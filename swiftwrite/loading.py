@@ -215,16 +215,17 @@ def suppressed_ids(tok, mcfg: "ModelConfig") -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def dry_settings(cfg: Config, tok, vocab: int) -> "DrySettings":
+def dry_settings(cfg: Config, tok, vocab: int, start: int = 0) -> "DrySettings":
     """The n-gram suppression settings, breakers as token ids: every token whose text holds a breaker string
-    (a newline is inside "\\n\\n" and ".\\n" tokens too). Without a tokenizer (ids-only callers) no breakers."""
+    (a newline is inside "\\n\\n" and ".\\n" tokens too). Without a tokenizer (ids-only callers) no breakers.
+    `start`: the first position it looks at (text_start of build_engine)."""
     from .config import breaker_strings
     from .repetition import DrySettings
 
     strings = tuple(breaker_strings(cfg.dry_breakers))
     ids = _breaker_ids(tok, strings, vocab) if strings and tok is not None and cfg.dry_multiplier > 0 else ()
     return DrySettings(multiplier=cfg.dry_multiplier, base=cfg.dry_base, allowed_length=cfg.dry_allowed_length,
-                       window=cfg.dry_window, breakers=ids)
+                       window=cfg.dry_window, start=start, breakers=ids)
 
 
 @functools.lru_cache(maxsize=4)
@@ -235,8 +236,17 @@ def _breaker_ids(tok, strings: tuple[str, ...], vocab: int) -> tuple[int, ...]:
     return tuple(i for i, t in enumerate(texts) if any(b in t for b in strings))
 
 
-def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, display: Display) -> "Engine":
-    """`window`: from make_window(), or the prompt length to make it from."""
+def text_start_for(cfg: Config, prompt_len: int) -> int:
+    """Where the text the penalties count begins: after the prompt when it holds a --source document (restating
+    the source's names and figures is what grounded writing does; penalising it pushed the default model into
+    invented text), else at 0 (the brief and template count, as they always have)."""
+    return prompt_len if cfg.source else 0
+
+
+def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, display: Display,
+                 text_start: int = 0) -> "Engine":
+    """`window`: from make_window(), or the prompt length to make it from. `text_start`: the first position the
+    penalty and the n-gram suppression count (text_start_for())."""
     from . import budget as budget_mod
     from .engine import SOURCES, Engine, make_sources
     from .sampling import Sampler, SamplerSettings
@@ -248,7 +258,7 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
     settings = SamplerSettings(
         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
         penalty=cfg.penalty, window=cfg.penalty_window, suppress=() if cfg.stop_at_eos else stops, seed=cfg.seed,
-        dry=dry_settings(cfg, lm.tok, model.cfg.vocab_size),
+        start=text_start, dry=dry_settings(cfg, lm.tok, model.cfg.vocab_size, text_start),
     )
     names = [] if cfg.draft == "none" else (list(SOURCES) if cfg.draft == "all" else [cfg.draft])
     if names and getattr(model, "exact_rows", False):

@@ -7,6 +7,7 @@ model file is touched.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -18,6 +19,20 @@ TEMPLATE_DIRS = (Path(__file__).resolve().parent / "templates", Path(__file__).r
 
 
 def read_prompt(source: str) -> str:
+    return read_text(source, "prompt", "write a brief of what the document should be")
+
+
+def read_source(path: str) -> str:
+    """--source: the document a run draws on. A file (standard input already carries the brief)."""
+    if path == "-":
+        raise UserError("--source reads a file, not standard input (which is for the brief); save the document "
+                        "to a file and give its path.")
+    return read_text(path, "--source", "give the document the text should draw on")
+
+
+def read_text(source: str, what: str, fill: str) -> str:
+    """A UTF-8 text file (or standard input for "-") of at most 1 MB; `what` names it in messages, `fill` says
+    what an empty one should have held."""
     if source == "-":
         if sys.stdin.isatty():
             print("swiftwrite: reading the prompt from the terminal; end it with Ctrl-D.", file=sys.stderr, flush=True)
@@ -26,36 +41,55 @@ def read_prompt(source: str) -> str:
     else:
         p = Path(source)
         if not p.exists():
-            raise UserError(f"prompt file {p} does not exist.")
+            raise UserError(f"{what} file {p} does not exist.")
         if p.is_dir():
-            raise UserError(f"prompt {p} is a directory; give a text file (or - for standard input).")
+            raise UserError(f"{what} {p} is a directory; give a text file" + (" (or - for standard input)."
+                                                                              if what == "prompt" else "."))
         try:
             with open(p, "rb") as fh:
                 data = fh.read(MAX_PROMPT_BYTES + 1)
         except OSError as e:
-            raise UserError(f"prompt file {p} cannot be read ({e.strerror}).") from None
+            raise UserError(f"{what} file {p} cannot be read ({e.strerror}).") from None
         where = str(p)
     if len(data) > MAX_PROMPT_BYTES:
-        raise UserError(f"the prompt in {where} is over 1 MB; a prompt must fit the model's context, shorten it.")
+        raise UserError(f"the {what} in {where} is over 1 MB; a prompt must fit the model's context, shorten it.")
     if b"\x00" in data:
-        raise UserError(f"the prompt in {where} looks binary (it contains NUL bytes); give a UTF-8 text file.")
+        raise UserError(f"the {what} in {where} looks binary (it contains NUL bytes); give a UTF-8 text file.")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UserError(f"the prompt in {where} is not valid UTF-8 (byte {e.start}); convert it to UTF-8.") from None
+        raise UserError(f"the {what} in {where} is not valid UTF-8 (byte {e.start}); convert it to UTF-8.") from None
     if not text.strip():
-        raise UserError(f"the prompt in {where} is empty; write a brief of what the document should be.")
+        raise UserError(f"the {what} in {where} is empty; {fill}.")
     return text
 
 
-def apply_template(brief: str, template: str) -> str:
+# A source document goes before the instruction (the model reads the material, then what to do with it), unless
+# the template places it itself ({source}, as revise does).
+SOURCE_BLOCK = "Source document:\n\n{source}\n\n---\n\n"
+GROUNDED = ("\n\nBase it on the source document above: take the facts, figures and names from it, "
+            "and do not invent others.")
+
+
+def apply_template(brief: str, template: str, source: str | None = None) -> str:
+    """The prompt text: the brief inside the template, with the source document where the template puts it."""
+    values = {"brief": brief.strip(), "source": (source or "").strip()}
     if template == "none":
-        return brief
-    for d in TEMPLATE_DIRS:
-        if (d / f"{template}.txt").is_file():
-            return (d / f"{template}.txt").read_text(encoding="utf-8").replace("{brief}", brief.strip())
-    raise UserError(f"the {template} template is missing from this installation ({TEMPLATE_DIRS[0]}); "
-                    "reinstall swiftwrite or use --template none.")
+        if not source:
+            return brief  # as the user wrote it, whitespace included
+        text = "{brief}"
+    else:
+        text = next((d / f"{template}.txt" for d in TEMPLATE_DIRS if (d / f"{template}.txt").is_file()), None)
+        if text is None:
+            raise UserError(f"the {template} template is missing from this installation ({TEMPLATE_DIRS[0]}); "
+                            "reinstall swiftwrite or use --template none.")
+        text = text.read_text(encoding="utf-8")
+    if "{source}" in text and not source:
+        raise UserError(f"the {template} template works on a document: give it with --source FILE.")
+    if source and "{source}" not in text:
+        text = SOURCE_BLOCK + text.rstrip("\n") + GROUNDED
+    # one pass over the placeholders, so a brief or a source that itself holds "{source}" or "{brief}" stays as written
+    return re.sub(r"\{(brief|source)\}", lambda m: values[m.group(1)], text)
 
 
 def prompt_ids(tok, text: str, raw: bool) -> list[int]:

@@ -68,14 +68,16 @@ class Repeats:
     min_len: shortest match tracked (DRY's allowed length; the loop alarm's floor).
     breaker: bool [vocab], True for tokens no match may contain; None = none.
     window: only the last `window` tokens count, the earlier occurrence included (0 = the whole text).
+    start: no earlier occurrence may begin before this position (a source document in the prompt).
     """
 
-    def __init__(self, min_len: int, breaker: np.ndarray | None = None, window: int = 0):
+    def __init__(self, min_len: int, breaker: np.ndarray | None = None, window: int = 0, start: int = 0):
         if min_len < 1:
             raise ValueError("min_len must be at least 1")
         self.min_len = min_len
         self.breaker = breaker
         self.window = window
+        self.start = start
         self.reset()
 
     def reset(self) -> None:
@@ -118,7 +120,7 @@ class Repeats:
         return gram.astype(np.int64, copy=False).tobytes()
 
     def window_start(self, i: int) -> int:
-        return max(0, i + 1 - self.window) if self.window > 0 else 0
+        return max(self.start, i + 1 - self.window) if self.window > 0 else self.start
 
     def _grow(self, prev: Matches, occ: np.ndarray, i: int) -> Matches:
         """The matches ending at i from those ending at i - 1 (`prev`) and the earlier end positions `occ`
@@ -136,7 +138,7 @@ class Repeats:
 
     def capped(self, m: Matches) -> np.ndarray:
         """Match lengths within the window: a match may not start before it."""
-        if self.window <= 0:
+        if self.window <= 0 and self.start <= 0:
             return m.lens
         return np.minimum(m.lens, m.ends - self.window_start(m.at) + 1)
 
@@ -177,6 +179,7 @@ class DrySettings:
     allowed_length: int = 2
     window: int = 0  # 0 = the whole text
     breakers: tuple[int, ...] = ()  # token ids that end a match (tokens whose text holds a breaker string)
+    start: int = 0  # earlier occurrences must begin at or after this position (the written text, with --source)
 
     @property
     def on(self) -> bool:
@@ -194,7 +197,7 @@ class Dry:
         if s.breakers:
             breaker[np.asarray(s.breakers, dtype=np.int64)] = True
         self.breaker = breaker
-        self.repeats = Repeats(s.allowed_length, breaker if s.breakers else None, s.window)
+        self.repeats = Repeats(s.allowed_length, breaker if s.breakers else None, s.window, s.start)
         # Past this exponent base^x overflows float32 (llama.cpp caps it the same way)
         self.max_exp = int(FLOAT_MAX_LOG / math.log(s.base)) if s.base > 1.000001 else 0
 
@@ -244,7 +247,7 @@ def dry_reference(history: list[int], s: DrySettings, vocab: int) -> np.ndarray:
     """The rule written out directly (a scan of the whole window per candidate): the amount each vocabulary
     id loses after `history`. For tests; O(window^2)."""
     N = len(history)
-    ws = max(0, N - s.window) if s.window > 0 else 0
+    ws = max(s.start, N - s.window) if s.window > 0 else s.start
     brk = set(s.breakers)
     L = [0] * vocab
     for k in range(ws + 1, N):  # history[k] followed an earlier stretch ending at k - 1

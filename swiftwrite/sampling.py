@@ -30,7 +30,10 @@ class SamplerSettings:
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off; keep tokens with p >= min_p * p_max
     penalty: float = 1.0  # theta; 1 = off
-    window: int = 1024  # penalty window W in tokens (prompt included)
+    window: int = 1024  # penalty window W in tokens (prompt included unless `start` excludes it)
+    # positions before `start` are outside the penalty's window (and DrySettings.start the suppression's): a
+    # prompt holding a source document (--source) is there to be restated, so only the written text counts
+    start: int = 0
     suppress: tuple[int, ...] = ()  # token ids never chosen (end-of-text until the target is reached)
     seed: int = 0
     dry: DrySettings = field(default_factory=DrySettings)  # n-gram repetition suppression; off by default here
@@ -61,13 +64,14 @@ class Sampler:
         """
         W, N, V = self.s.window, history.shape[0], self.vocab
         max_d = int(depth.max())
-        lo = max(0, N - W)
+        lo = max(self.s.start, N - W, 0)
         history = history[lo:].to(tokens.device)  # only the window is read (the history may be on the CPU)
         N, lo = N - lo, 0
         counts = torch.bincount(history[lo:], minlength=V)
         rows = [counts > 0]
         for d in range(1, max_d + 1):
-            cut = N - W + d  # the first `cut` history tokens fall out of the window of a depth-d node
+            cut = N - W + d  # the first `cut` history tokens fall out of the window of a depth-d node (none
+            # when the window's edge is still before `start`: those were never counted)
             if lo < cut <= N:  # nodes deeper than the window see only their ancestors
                 counts = counts.clone()
                 counts[history[cut - 1]] -= 1

@@ -30,9 +30,9 @@ from . import outline as outlines
 from .config import Config
 from .devices import pick_device
 from .errors import UsageError, UserError
-from .loading import Loaded, build_engine, fit_budget, load_weights, make_window, open_model
+from .loading import Loaded, build_engine, fit_budget, load_weights, make_window, open_model, text_start_for
 from .metrics import distinct, distinct_n, distinct_per_window, longest_repeat
-from .prompt import TextStream, apply_template, prompt_ids, read_prompt
+from .prompt import TextStream, apply_template, prompt_ids, read_prompt, read_source
 from .repetition import LOOP_WARN, LoopWatch
 from .rundir import RunDir
 from .store import resolve
@@ -369,6 +369,7 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
     display = Display(Display.choose(quiet, no_live))
     # Cheapest first: what the user typed, then the model's files, then its weights.
     brief = read_prompt(prompt_source)
+    source = read_source(cfg.source) if cfg.source else None
     sections = budgets = None
     planning = cfg.plan or cfg.plan_only
     if cfg.outline:
@@ -404,7 +405,7 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
                     fh.close()
             return 0
         budgets = outlines.allocate(sections, cfg.tokens, "the planned outline")
-    text = apply_template(outlines.with_outline(brief, sections) if sections else brief, cfg.template)
+    text = apply_template(outlines.with_outline(brief, sections) if sections else brief, cfg.template, source)
     ids = prompt_ids(lm.tok, text, cfg.raw)
     plan = outlines.Plan.build(sections, budgets, lambda t: lm.tok(t, add_special_tokens=False)["input_ids"]) \
         if sections else None
@@ -415,7 +416,7 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
     window = make_window(cfg, lm, len(ids) + (plan.pin_max if plan else 0), display)
     if lm.model is None:
         load_weights(lm, display.info)
-    engine = build_engine(cfg, lm, window, len(ids) + cfg.tokens, display)
+    engine = build_engine(cfg, lm, window, len(ids) + cfg.tokens, display, text_start_for(cfg, len(ids)))
     sched = _schedule(engine, plan, lm, len(ids)) if plan else None
     out = _open_out(out_path)
     try:
@@ -493,7 +494,8 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
                                 "start it again with the same outline.") from None
         window = make_window(cfg, lm, len(rd.prompt_ids) + (plan.pin_max if plan else 0), display)
         load_weights(lm, display.info)
-        engine = build_engine(cfg, lm, window, len(rd.prompt_ids) + cfg.tokens, display)
+        engine = build_engine(cfg, lm, window, len(rd.prompt_ids) + cfg.tokens, display,
+                              text_start_for(cfg, len(rd.prompt_ids)))
         sched = None
         if plan:
             sched = _schedule(engine, plan, lm, len(rd.prompt_ids))

@@ -72,6 +72,15 @@ CASES = [
     ("prompt-over-1MB", [*GEN[:1], "{huge}", *GEN[2:]], 1, None),
     ("stdin-empty", [*GEN[:1], "-", *GEN[2:]], 1, b""),
     ("stdin-binary", [*GEN[:1], "-", *GEN[2:]], 1, b"\x7fELF\x00\x00\x01"),
+    # --source: the document a run draws on
+    ("source-missing", [*GEN, "--source", "{tmp}/no-such-source.md"], 1, None),
+    ("source-empty", [*GEN, "--source", "{blank}"], 1, None),
+    ("source-binary", [*GEN, "--source", "{binary}"], 1, None),
+    ("source-not-utf8", [*GEN, "--source", "{latin1}"], 1, None),
+    ("source-directory", [*GEN, "--source", "{tmp}"], 1, None),
+    ("source-over-1MB", [*GEN, "--source", "{huge}"], 1, None),
+    ("source-stdin", [*GEN, "--source", "-"], 1, None),
+    ("revise-without-a-source", [*GEN, "--template", "revise"], 2, None),
     # YAML
     ("yaml-malformed", [*GEN, "--config", "{yaml_malformed}"], 2, None),
     ("yaml-a-list", [*GEN, "--config", "{yaml_list}"], 2, None),
@@ -101,6 +110,7 @@ CASES = [
     ("bench-unknown-method", ["bench", "--methods", "none,warp9"], 2, None),
     ("bench-zero-repeats", ["bench", "--methods", "none", "--repeats", "0"], 2, None),
     ("bench-missing-prompt", ["bench", "--methods", "none", "--prompts", "no-such-prompt.txt"], 2, None),
+    ("bench-unknown-workload", ["bench", "--methods", "none", "--prompts", "creative,poetry"], 2, None),
     ("bench-out-under-a-file", ["bench", "--methods", "none", "--out", "{binary}/results"], 1, None),
     ("bench-tokens-past-the-window [loads the model]", ["bench", "--methods", "none", "--tokens", "9000"], 2, None),
     # outlines: refused before the model is opened

@@ -458,3 +458,28 @@ def test_a_character_cut_by_a_checkpoint_is_completed_after_resume(default_model
         text += "".join(second.push([t]) for t in ids[k:]) + second.flush()
         assert text == expected, k
     assert cut_mid_character, "the sample text should have characters spanning several tokens"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a source document
+
+
+def test_a_source_document_goes_in_the_prompt_and_drafting_and_resume_keep_the_text(work):
+    """--source with the revise template: the draft is in the run's prompt; drafting over it (the n-gram table
+    and the recycling matrix see the draft) writes exactly what plain decoding writes; and a run resumed past
+    its first target continues with the same tokens (the resumed run counts the penalties from the same
+    position, after the prompt)."""
+    draft = Path(__file__).resolve().parent.parent / "prompts" / "grid-draft.md"
+    brief = work / "revise.txt"
+    brief.write_text("Light edits only.\n")
+    args = ["--template", "revise", "--source", draft, *GREEDY]
+    plain = generate(work, "revise-none", brief, *args, "--draft", "none", "--quiet")
+    prompt_text = (plain.dir / "prompt.txt").read_text(encoding="utf-8")
+    assert draft.read_text(encoding="utf-8").strip() in prompt_text and "Light edits only." in prompt_text
+    d = work / "revise-all"  # drafted, stopped at half the tokens, resumed to all of them
+    p = sw("generate", brief, "--run-dir", d, "--tokens", T // 2, "--chunk", CHUNK, *args, "--draft", "all",
+           "--budget", "8", "--quiet", cwd=work)
+    assert p.returncode == 0, p.stderr
+    p = sw("resume", d, "--tokens", T, "--quiet", cwd=work)
+    assert p.returncode == 0, p.stderr
+    assert read_tokens(d) == read_tokens(plain.dir)

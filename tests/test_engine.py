@@ -19,6 +19,8 @@ pays; of the tiny models, only qwen3 seed 1 keeps them high enough for every sou
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -323,6 +325,20 @@ def test_ngram_suppression_changes_the_text_so_the_lossless_tests_exercise_it(dr
         off = SamplerSettings(**{**s.__dict__, "dry": DrySettings()})
         without = generate(model, prompt, off, n=400)[0]
         assert first_diff(without, refs[setting_id][0][:400]) is not None, setting_id
+
+
+@pytest.mark.parametrize("setting_id", list(DRY))
+def test_speculative_equals_plain_when_the_penalties_skip_the_prompt(dry_plain, setting_id):
+    """A --source run: the penalty and the suppression count only the written text (`start` = the prompt's
+    length), across context rebuilds; and the start changes the text, so the comparison exercises it."""
+    model, prompt, refs = dry_plain
+    s = DRY[setting_id]
+    skip = dataclasses.replace(s, start=len(prompt), dry=dataclasses.replace(s.dry, start=len(prompt)))
+    ref = generate(model, prompt, skip, n=DRY_N)[0]
+    got, steps = generate(model, prompt, skip, ["recycling", "ngram"], budget=16, n=DRY_N)
+    assert_lossless(got, ref)
+    assert_drafts_accepted(steps, min_share=0.05, min_longest=2)
+    assert first_diff(ref, refs[setting_id][0]) is not None
 
 
 def _resume_points():

@@ -24,7 +24,7 @@ def test_the_wheel_ships_the_templates_and_an_installed_copy_finds_them(tmp_path
                    cwd=src, check=True, capture_output=True)
     wheel = next(out.glob("*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    for template in ("novel", "report"):
+    for template in ("novel", "report", "structured", "revise"):
         assert f"swiftwrite/templates/{template}.txt" in names
     assert any(n.startswith("swiftwrite/heads/") and n.endswith(".safetensors") for n in names)
     assert "swiftwrite/models.yaml" in names

@@ -1,6 +1,7 @@
 """N-gram repetition suppression (DRY) and the repeat index under it: the published reference cases, a
 brute-force oracle, trees against plain decoding, and the index as a pure function of the history."""
 
+import dataclasses
 import math
 import random
 
@@ -110,3 +111,41 @@ def test_a_loop_shows_as_one_growing_match():
     text = np.array(list(range(100, 130)) + period * 3, dtype=np.int64)
     r.sync(text)
     assert int(r.current.lens.max()) == 2 * len(period)  # the last two periods repeat the first two
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_with_a_start_both_penalties_see_the_text_as_if_the_prompt_were_not_there(seed):
+    """SamplerSettings.start (a --source document in the prompt): the contextual penalty and the n-gram
+    suppression of every tree node equal those computed on the history with its first `start` tokens cut off."""
+    rng = random.Random(300 + seed)
+    vocab = rng.choice([3, 4, 6])
+    dry = DrySettings(multiplier=1.0, base=1.5, allowed_length=rng.randint(1, 3), window=rng.choice([0, 0, 6, 13]),
+                      breakers=(vocab - 1,) if seed % 4 == 0 else ())
+    history = [rng.randrange(vocab) for _ in range(rng.randint(2, 50))]
+    start = rng.randint(0, len(history) - 1)  # the root, history's last token, is always written text
+    tree = DraftTree()
+    tree.reset(history[-1])
+    nodes = [0]
+    for _ in range(rng.randint(0, 12)):
+        nodes.append(tree.add(rng.choice(nodes), rng.randrange(vocab), score=rng.random(), source=0))
+    flat = tree.select(len(tree) - 1, 10)
+    logits = torch.randn(len(flat.tokens), vocab, generator=torch.Generator().manual_seed(seed))
+    common = dict(penalty=1.4, window=rng.choice([1, 4, 9, 100]))
+    with_start = Sampler(SamplerSettings(**common, start=start, dry=dataclasses.replace(dry, start=start)), vocab)
+    cut = Sampler(SamplerSettings(**common, dry=dry), vocab)
+    got = with_start.process(logits, torch.tensor(history), flat.tokens, flat.depth, flat.anc)
+    want = cut.process(logits, torch.tensor(history[start:]), flat.tokens, flat.depth, flat.anc)
+    assert torch.equal(got, want)
+    if start > 0:  # the rule written out agrees
+        np.testing.assert_allclose(dry_reference(history, dataclasses.replace(dry, start=start), vocab),
+                                   dry_reference(history[start:], dry, vocab), rtol=1e-12)
+
+
+def test_a_phrase_from_the_prompt_is_restated_freely_after_start_and_penalised_without_it():
+    history = [1, 2, 3, 4, 0, 1, 2, 3]  # the prompt said "1 2 3 4"; the text so far restates "1 2 3"
+    dry = DrySettings(multiplier=1.0, base=1.5, allowed_length=2)
+    assert amounts(history, dry, 6)[4] > 0  # without a start: 4 would continue a repeat of the prompt
+    s = SamplerSettings(penalty=2.0, window=100, start=4, dry=dataclasses.replace(dry, start=4))
+    flat = DraftTree().select(0, 0)
+    got = Sampler(s, 6).process(torch.ones(1, 6), torch.tensor(history), flat.tokens, flat.depth, flat.anc)[0]
+    assert got.tolist() == [0.5, 0.5, 0.5, 0.5, 1.0, 1.0]  # only the written text's 0 1 2 3 are penalised; 4 is free
