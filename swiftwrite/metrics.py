@@ -102,3 +102,26 @@ def longest_repeat(tokens: Sequence[int]) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def lookup_hits(prompt: Sequence[int], text: Sequence[int], k: int) -> float:
+    """The reuse ceiling: the share of `text`'s tokens that equal what followed the most recent earlier
+    occurrence (in prompt + text before it) of the k tokens before them. A draft source that copies from
+    earlier text (n-gram tables, prompt lookup) can be right at most this often at depth 1 with context k;
+    a text that does not restate its source leaves it near zero, whatever the source's cleverness."""
+    seq = list(prompt) + list(text)
+    last: dict[tuple, int] = {}  # k-gram -> the position after its most recent occurrence
+    hits = 0
+    for i in range(k, len(seq)):
+        key = tuple(seq[i - k : i])
+        if i >= len(prompt) and key in last and seq[last[key]] == seq[i]:
+            hits += 1
+        last[key] = i
+    return hits / len(text) if text else 0.0
+
+
+def restated_share(source: Sequence[int], text: Sequence[int], n: int = 4) -> float:
+    """The share of `text`'s n-grams found in `source`: how much of a grounded text restates its material."""
+    grams = {tuple(source[i : i + n]) for i in range(len(source) - n + 1)}
+    total = len(text) - n + 1
+    return sum(tuple(text[i : i + n]) in grams for i in range(total)) / total if total > 0 else 0.0

@@ -135,3 +135,23 @@ def test_the_loop_alarm_is_the_same_grown_or_rebuilt():
     for i in range(0, len(text), 7):
         grown.extend(text[i : i + 7])
         assert grown.current == LoopWatch(text[: i + 7]).current
+
+
+def test_lookup_hits_counts_tokens_that_repeat_what_followed_their_context_last_time():
+    from swiftwrite.metrics import lookup_hits
+
+    prompt = [1, 2, 3, 9, 1, 2, 4]  # after "1 2": 3, then 4 (the most recent)
+    assert lookup_hits(prompt, [1, 2, 4], 2) == pytest.approx(1 / 3)  # 1 and 2 had no context match; 4 did
+    assert lookup_hits(prompt, [1, 2, 3], 2) == 0.0  # 3 followed "1 2" once, but not most recently
+    assert lookup_hits([5, 6, 7, 8], [5, 6, 7, 8], 1) == 0.75  # a copy of the prompt: all but its first token (after 8)
+    assert lookup_hits([5], [6, 6, 6, 6], 1) == pytest.approx(2 / 4)  # the text's own repeats count too
+    assert lookup_hits([1, 2], [], 1) == 0.0
+
+
+def test_restated_share_is_the_share_of_the_text_ngrams_found_in_the_source():
+    from swiftwrite.metrics import restated_share
+
+    source = [1, 2, 3, 4, 5]
+    assert restated_share(source, [2, 3, 4, 5], 4) == 1.0
+    assert restated_share(source, [1, 2, 3, 4, 9, 9, 9], 4) == pytest.approx(1 / 4)
+    assert restated_share(source, [9, 9], 4) == 0.0
