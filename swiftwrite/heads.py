@@ -232,6 +232,7 @@ class HeadsDrafter(DraftSource):
     their top-k tokens become depths 1..γ of the next tree."""
 
     name = "heads"
+    noise_aware = True  # rank 0 is the sampler's pick (guesses(); two-pass depth 1 processed); False: top-k only (bench/noise_aware.py)
     costly = True  # γ matrix products and an LM-head slice per step (~1.5 ms of a ~20 ms CPU step)
 
     def __init__(self, source_id: int, stats: AcceptanceStats, heads: Heads, lm: torch.Tensor, top_k: int = TOP_K):
@@ -248,21 +249,40 @@ class HeadsDrafter(DraftSource):
         lm = heads.lm_slice(model)  # sliced once, shared by every drafter the factory makes
         return lambda source_id, stats: cls(source_id, stats, heads, lm, top_k)
 
+    def bind(self, engine) -> None:
+        self.sampler = engine.sampler
+
     @torch.inference_mode()
-    def guesses(self, hidden: torch.Tensor) -> np.ndarray:
-        """Token ids [γ, k]: each head's top-k for the hidden state [D] of one position. All γ heads share one
-        product with the (sliced) LM head."""
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each head's logits [γ, slice] for the hidden state [D] of one position. All γ heads share one product
+        with the (sliced) LM head."""
         z = self.heads.states(hidden.reshape(1, -1))[0]  # [γ, D]
-        top = torch.topk(linear(z.to(self.lm.dtype), self.lm), self.top_k, dim=-1).indices  # heads fresh from fit: float32
+        return linear(z.to(self.lm.dtype), self.lm)  # heads fresh from fit: float32
+
+    @torch.inference_mode()
+    def guesses(self, logits: torch.Tensor, first: int) -> np.ndarray:
+        """Token ids [γ, k], best first, from head_logits; head j guesses the token at absolute position first + j.
+        Greedy: each head's top-k. Sampling (noise-aware): the sampler's choice there is argmax(logits / T + G_p)
+        with G_p fixed by (seed, p), known before the tree is built, so rank 0 is the token the sampler picks if
+        the head's distribution is right (the penalties left out: a draft needs only to be likely; verification
+        keeps the text exact either way), then the head's top-k."""
+        top = torch.topk(logits, self.top_k, dim=-1).indices
+        sampler = getattr(self, "sampler", None)
+        if self.noise_aware and sampler is not None and not sampler.greedy:
+            vocab = self.heads.vocab.to(logits.device)
+            noise = torch.stack([sampler.noise(first + j)[vocab] for j in range(logits.shape[0])])
+            pick = (logits.float() / sampler.s.temperature + noise).argmax(-1, keepdim=True)
+            top = _first_then(pick, top)
         return self.vocab[top.cpu().numpy()]
 
     def after_accept(self, hidden: torch.Tensor) -> None:
-        self._pending = self.guesses(hidden)
+        self._pending = self.head_logits(hidden)
 
     def after_commit(self, history: np.ndarray, n_new: int) -> None:
-        # The guesses are for the tree rooted at the token just committed last; any other history (a fresh
-        # start, a resume) has none.
-        self._guess, self._at, self._pending = self._pending, len(history), None
+        # The guesses are for the tree rooted at the token just committed last (depth d: position len + d - 1);
+        # any other history (a fresh start, a resume) has none.
+        self._guess = None if self._pending is None else self.guesses(self._pending, len(history))
+        self._at, self._pending = len(history), None
 
     def propose(self, tree: DraftTree, history: np.ndarray, max_depth: int, limit: int) -> None:
         if self._guess is None or len(history) != self._at:
@@ -313,6 +333,7 @@ class TwoPassHeadsDrafter(HeadsDrafter):
     def bind(self, engine) -> None:
         from .draftcache import PartialCache
 
+        super().bind(engine)
         self.engine = engine
         self.partial = PartialCache(engine.cache, min(self.kv_budget, engine.window.context))
 
@@ -334,6 +355,23 @@ class TwoPassHeadsDrafter(HeadsDrafter):
         pos = torch.tensor([e.cache.length], device=dev)  # where verification will put the root
         logits, hidden = self.model.forward(ids, pos, None, kv=self.partial.kv)
         self.draft_forwards += 1
-        first = torch.topk(logits[0], self.top_k).indices.cpu().numpy()
-        guess = [first.tolist(), *self.guesses(hidden[0]).tolist()]
+        first = torch.topk(logits, self.top_k, dim=-1).indices
+        n = len(history)  # the root is history[-1]; depth d is position n + d - 1
+        if self.noise_aware:
+            # the model's own choice at depth 1 if the partial cache's logits are the full one's, through every
+            # processor the sampler applies (penalty and n-gram suppression move greedy's choice too) and, when
+            # sampling, the noise of that position: the root's row as verification will compute it
+            root = torch.tensor([int(history[-1])], device=dev)
+            flat_anc = torch.ones(1, 1, dtype=torch.bool, device=dev)
+            zero = torch.zeros(1, dtype=torch.long, device=dev)
+            processed = self.sampler.process(logits, e.S[:n], root, zero, flat_anc, torch.full_like(zero, -1))
+            first = _first_then(self.sampler.choose(processed, [n]).reshape(1, 1), first)
+        guess = [first[0].cpu().tolist(), *self.guesses(self.head_logits(hidden[0]), n + 1).tolist()]
         self._grow(tree, guess, max_depth, limit)
+
+
+def _first_then(pick: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """Rows of `top` [r, k] with `pick` [r, 1] first and the others after it in their order, still k distinct."""
+    others = top.masked_fill(top == pick, -1)
+    order = torch.argsort((others < 0).to(torch.int8), dim=-1, stable=True)  # the pick's old slot moves last
+    return torch.cat([pick, torch.gather(others, 1, order)[:, : top.shape[1] - 1]], dim=1)

@@ -107,7 +107,7 @@ def test_chained_heads_match_a_naive_reference(tiny):
         got = drafter.lm.double() @ heads.states(hidden[None])[0].double().t()
         torch.testing.assert_close(got.t(), ref, rtol=1e-4, atol=1e-4)
         expected = heads.vocab[torch.topk(ref, 3, dim=-1).indices].numpy()
-        assert (drafter.guesses(hidden) == expected).all()
+        assert (drafter.guesses(drafter.head_logits(hidden), 0) == expected).all()
 
 
 def test_untrained_heads_repeat_the_models_next_token_guess(tiny):
@@ -383,6 +383,22 @@ def test_two_pass_heads_equal_plain_and_draft_one_level_deeper(trained, setting,
     # Over the whole context the depth-1 guess is the model's own choice (before the penalty); 48 slots of a
     # random tiny model's context keep far less of it.
     assert from_heads >= (0.1 if kv_budget == 48 else 0.3) * N_TOKENS, from_heads
+
+
+def test_sampled_two_pass_depth_one_draft_is_the_samplers_own_choice(trained):
+    """Noise-aware drafting: under sampling the choice at position p is argmax(processed / T + G_p), and G_p is
+    known before the tree is built. Over the whole context the draft forward's logits are the model's, so its
+    depth-1 rank-0 draft, chosen through the sampler with G_p, is what verification picks at (nearly) every
+    step; a top-1 draft would be right only when the noise happens not to change the argmax."""
+    model, prompt, plain, factory = trained("llama-s0")
+    engines = []
+    got, steps = generate(model, prompt, SETTINGS["sample"], ["heads"], budget=8, engine_out=engines,
+                          heads=TwoPassHeadsDrafter.factory(factory.heads, model, 4096))
+    assert got == plain["sample"]
+    e = engines[0]
+    (drafter,) = e.sources
+    tried, hit = e.stats.tried[drafter.id][1, 0], e.stats.hit[drafter.id][1, 0]
+    assert tried >= 0.9 * len(steps) and hit >= 0.97 * tried, (hit, tried, len(steps))
 
 
 def test_two_pass_heads_equal_plain_across_context_rebuilds(trained):
