@@ -31,6 +31,10 @@ COST_BUCKET = 1024  # context growth (tokens) after which the cost curve is meas
 CALIBRATION_PRIOR = 2.0  # pseudo-tokens on both sides of the calibration ratio: starts at 1.0
 CALIBRATION_DECAY = 0.99  # per verified tree: the ratio follows the last ~100 of them
 EXPLORE_EVERY = 16  # steps of budget 0 after which a 2-node tree is verified anyway (keeps the rates fresh)
+# ... doubled after each such look that accepts nothing, up to EXPLORE_MAX: on text where drafts never pay the
+# looks were most of what resting cost (bench/resting.py), and a loop is still noticed within a few seconds
+# (the cheap sources keep proposing, and one accepted look brings the period back to EXPLORE_EVERY)
+EXPLORE_MAX = 128
 
 
 @dataclass
@@ -95,6 +99,7 @@ class Engine:
         self.forwards = 0
         self.stopped = False
         self._idle = 0  # consecutive steps with an automatic budget of 0
+        self._explore_every = EXPLORE_EVERY  # resting steps before the next look
         # Calibration of the automatic budget: accepted draft tokens vs the sum of the verified nodes'
         # estimates, decayed. The per-(source, depth, rank) rates are fitted on the nodes that got verified,
         # and the best-scoring nodes of a step are exactly the ones whose estimates came out high by chance
@@ -175,6 +180,7 @@ class Engine:
         tree.reset(root)
         max_depth = min(b - 1 - self.n, remaining - 1, MAX_DEPTH)
         budget = 0
+        explored = False
         if self.sources and max_depth > 0:
             hist = self.S[: self.n].numpy()
             limit = self.max_nodes - 1
@@ -193,9 +199,9 @@ class Engine:
                 # A budget of 0 verifies nothing, so the acceptance rates would never be measured again and a
                 # text that turns repetitive later would go unnoticed: verify a small tree now and then.
                 if budget > 0:
-                    self._idle = 0
-                elif self._idle >= EXPLORE_EVERY:
-                    budget, self._idle = 2, 0
+                    self._idle, self._explore_every = 0, EXPLORE_EVERY
+                elif self._idle >= self._explore_every:
+                    budget, self._idle, explored = 2, 0, True
                 else:
                     self._idle += 1
         flat = tree.select(budget, max_depth, device=self.model.device)
@@ -208,6 +214,8 @@ class Engine:
         processed = self.sampler.process(logits, hist_t, flat.tokens, flat.depth, flat.anc, flat.parent)
         choice = self.sampler.choose(processed, (self.n + flat.depth).tolist()).tolist()
         path, bonus = walk(flat, choice)
+        if explored:  # a look that found nothing (no draft accepted, or none to try) waits twice as long next time
+            self._explore_every = EXPLORE_EVERY if len(path) > 1 else min(2 * self._explore_every, EXPLORE_MAX)
         tok_list = flat.tokens.tolist()
         new = [tok_list[i] for i in path[1:]] + [bonus]
         new = new[:remaining]
@@ -272,11 +280,12 @@ class Engine:
 
     def _resting(self) -> bool:
         """True while an automatic budget rests at 0: the costly sources (the heads: a few ms of matrix work
-        per step) sit out until EXPLORE_EVERY steps have passed, then every source proposes again and a small
-        tree is verified even if the budget still says 0. The cheap sources (table lookups) keep proposing,
+        per step) sit out until the explore period has passed (EXPLORE_EVERY steps, doubled after each look that
+        accepted nothing, up to EXPLORE_MAX), then every source proposes again and a small tree is verified even
+        if the budget still says 0. The cheap sources (table lookups) keep proposing,
         so a repetition they spot is still taken at once. On a CPU where drafts rarely pay, this keeps `auto`
         near the speed of plain decoding."""
-        return self.budget is None and 0 < self._idle < EXPLORE_EVERY
+        return self.budget is None and 0 < self._idle < self._explore_every
 
     @property
     def calibration(self) -> float:

@@ -213,10 +213,11 @@ def test_auto_budget_verifies_larger_trees_on_a_flat_cost_curve_than_on_a_steep_
     assert max(x.forward_tokens for x in steep) <= 16
 
 
-def test_an_auto_budget_at_zero_rests_and_still_looks_again_every_explore_period(models):
-    """A cost curve where no draft can pay: a costly source sits out the resting steps, and every
-    EXPLORE_EVERY steps all sources propose and a 2-node tree is verified anyway."""
-    from swiftwrite.engine import EXPLORE_EVERY
+def test_an_auto_budget_at_zero_rests_and_looks_again_less_often_while_looks_find_nothing(models):
+    """A cost curve where no draft can pay: a costly source sits out the resting steps; after EXPLORE_EVERY of
+    them all sources propose and a 2-node tree is verified anyway; each look that accepts nothing doubles the
+    wait for the next (up to EXPLORE_MAX), and one that accepts a draft brings it back to EXPLORE_EVERY."""
+    from swiftwrite.engine import EXPLORE_EVERY, EXPLORE_MAX
 
     hopeless = CostCurve(SIZES, [1.0, 100.0, 200.0, 400.0, 800.0, 1600.0, 3200.0])
     prompt, s = prompt_for("qwen3-s1"), SETTINGS["greedy-w32"]
@@ -228,13 +229,23 @@ def test_an_auto_budget_at_zero_rests_and_still_looks_again_every_explore_period
     real = costly.propose
     costly.propose = lambda *a: (calls.append(1), real(*a))
     engine = Engine(model, Sampler(s, model.cfg.vocab_size), Window(model.cfg.max_positions, len(prompt)), sources,
-                    stats, cost=hopeless, capacity=len(prompt) + 401)
+                    stats, cost=hopeless, capacity=len(prompt) + 801)
     engine.start(prompt)
-    steps = list(engine.run(400))
-    explored = [x for x in steps if x.forward_tokens > 1]
-    assert all(x.forward_tokens == 3 for x in explored)
-    assert len(steps) // (2 * EXPLORE_EVERY) <= len(explored) <= len(steps) // EXPLORE_EVERY + 1
-    assert len(calls) <= 3 * len(steps) / EXPLORE_EVERY  # the costly source proposes only when looking again
+    steps = list(engine.run(800))
+    looks = [i for i, x in enumerate(steps) if x.forward_tokens > 1]
+    assert all(steps[i].forward_tokens == 3 for i in looks)
+    assert looks[0] >= EXPLORE_EVERY
+    gaps = [b - a for a, b in zip(looks, looks[1:])]
+    seen = set()
+    for k, a in enumerate(looks[:-1]):
+        found = len(steps[a].tokens) > 1
+        seen.add(found)
+        if found:
+            assert gaps[k] == EXPLORE_EVERY + 1
+        elif k > 0:  # (the first gap may include looks with no node to try: invisible here, doubled alike)
+            assert gaps[k] == min(2 * (gaps[k - 1] - 1), EXPLORE_MAX) + 1
+    assert seen == {False, True}  # both rules exercised
+    assert len(calls) <= 2 * len(looks) + EXPLORE_EVERY  # the costly source proposes only when looking again
 
 
 def test_the_budget_calibration_follows_what_verification_accepts(models):
