@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from swiftwrite import bench, loading, prompt  # noqa: E402
+from swiftwrite import bench, loading  # noqa: E402
 from swiftwrite.config import Config  # noqa: E402
 from swiftwrite.metrics import distinct, longest_repeat, lookup_hits, restated_share  # noqa: E402
 from swiftwrite.ui import Display  # noqa: E402
@@ -49,13 +49,10 @@ def main() -> None:
     lm = loading.load(Config(model=a.model), display)
     rows = []
     for name in a.workloads.split(","):
-        w = bench.workload(name)
-        brief = prompt.read_prompt(str(bench.find_prompt(w.brief)))
-        source = prompt.read_source(str(bench.find_prompt(w.source))) if w.source else None
-        ids = prompt.prompt_ids(lm.tok, prompt.apply_template(brief, w.template, source), False)
+        ids, start = bench.workload_ids(lm.tok, name)
         for setting in a.settings.split(","):
             # a workload without a source: the penalties always counted its prompt, so only "all" and "off"
-            for scope in [s for s in a.scopes.split(",") if source or s != "text"]:
+            for scope in [s for s in a.scopes.split(",") if start or s != "text"]:
                 cfg = Config(model=a.model, tokens=a.tokens, draft="none", **{**bench.SETTINGS[setting], **SCOPES[scope]}).validate()
                 engine = loading.build_engine(cfg, lm, len(ids), len(ids) + a.tokens, display,
                                               len(ids) if scope == "text" else 0)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from swiftwrite import bench, loading, prompt  # noqa: E402
+from swiftwrite import bench, loading  # noqa: E402
 from swiftwrite.config import Config  # noqa: E402
 from swiftwrite.heads import HeadsDrafter  # noqa: E402
 from swiftwrite.metrics import distinct, first_divergence, longest_repeat  # noqa: E402
@@ -58,11 +58,7 @@ def main() -> None:
         return out, engine.forwards, per
 
     for name in a.workloads.split(","):
-        w = bench.workload(name)
-        brief = prompt.read_prompt(str(bench.find_prompt(w.brief)))
-        source = prompt.read_source(str(bench.find_prompt(w.source))) if w.source else None
-        ids = prompt.prompt_ids(lm.tok, prompt.apply_template(brief, w.template, source), False)
-        start = len(ids) if source else 0
+        ids, start = bench.workload_ids(lm.tok, name)
         plain = {s: run(ids, start, s, "none")[0] for s in ("greedy", "sample")}
         for mode in a.modes.split(","):
             for setting, aware in (("greedy", False), ("greedy", True), ("sample", False), ("sample", True)):

@@ -72,6 +72,18 @@ def workload(name: str) -> Workload:
     return Workload(name, "report" if "report" in Path(name).name else "novel")
 
 
+def workload_ids(tok, name: str) -> tuple[list[int], int]:
+    """A workload's prompt ids and where its written text starts for the penalties (as loading.text_start_for:
+    with a source, after the prompt; without, 0)."""
+    from . import prompt
+
+    w = workload(name)
+    brief = prompt.read_prompt(str(find_prompt(w.brief)))
+    source = prompt.read_source(str(find_prompt(w.source))) if w.source else None
+    ids = prompt.prompt_ids(tok, prompt.apply_template(brief, w.template, source), False)
+    return ids, len(ids) if source else 0
+
+
 @dataclass
 class Result:
     method: str
@@ -173,7 +185,7 @@ def check_workloads(names: list[str]) -> None:
 def run(methods: list[str], settings: list[str], prompts: list[str], tokens: int, repeats: int, out: Path | None,
         model: str = "smollm2-135m", log=print) -> dict:
     """`prompts`: workload names (WORKLOADS) or prompt files."""
-    from . import loading, prompt
+    from . import loading
     from .ui import Display
 
     validate(methods, settings, repeats, tokens, out)
@@ -190,16 +202,13 @@ def run(methods: list[str], settings: list[str], prompts: list[str], tokens: int
         hf = AutoModelForCausalLM.from_pretrained(str(lm.ref.path), dtype=torch.float32).eval()
     prompt_ids, text_start = {}, {}
     for p in prompts:
-        w = workload(p)
-        brief = prompt.read_prompt(str(find_prompt(w.brief)))
-        source = prompt.read_source(str(find_prompt(w.source))) if w.source else None
-        ids = prompt.prompt_ids(lm.tok, prompt.apply_template(brief, w.template, source), False)
+        ids, start = workload_ids(lm.tok, p)
         if len(ids) + tokens > lm.model.cfg.max_positions:
             raise UsageError(f"{p} ({len(ids)} tokens) plus {tokens} new tokens does not fit the model's "
                              f"{lm.model.cfg.max_positions} positions; use fewer --tokens.")
         name = p if p in WORKLOADS else Path(p).name
         prompt_ids[name] = ids
-        text_start[name] = len(ids) if source else 0  # as loading.text_start_for: with a source, the written text
+        text_start[name] = start
     # Warm-up, untimed: the first forwards of each shape pay for allocator and kernel set-up.
     first = next(iter(prompt_ids.values()))
     for method in {"none", "all", *(m for m in methods if m.startswith("hf"))} & set(methods) | {"none"}:

@@ -249,6 +249,8 @@ class HeadsDrafter(DraftSource):
         lm = heads.lm_slice(model)  # sliced once, shared by every drafter the factory makes
         return lambda source_id, stats: cls(source_id, stats, heads, lm, top_k)
 
+    sampler = None  # the engine's, once bound: its settings and noise make the drafts pick as it will
+
     def bind(self, engine) -> None:
         self.sampler = engine.sampler
 
@@ -267,7 +269,7 @@ class HeadsDrafter(DraftSource):
         the head's distribution is right (the penalties left out: a draft needs only to be likely; verification
         keeps the text exact either way), then the head's top-k."""
         top = torch.topk(logits, self.top_k, dim=-1).indices
-        sampler = getattr(self, "sampler", None)
+        sampler = self.sampler
         if self.noise_aware and sampler is not None and not sampler.greedy:
             vocab = self.heads.vocab.to(logits.device)
             noise = torch.stack([sampler.noise(first + j)[vocab] for j in range(logits.shape[0])])
