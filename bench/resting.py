@@ -3,7 +3,9 @@
     python bench/resting.py --tokens 1000 --out bench/results/resting-DATE.json
     python bench/resting.py --tokens 1500 --context 512 --out ...   # past the window: context rebuilds
 
-A whole-run tok/s comparison cannot see 1% on this machine (two runs of the same method differ by 10-25%).
+A whole-run tok/s comparison cannot see 1% on this machine (the same `none` row, greedy: 32.3 and 28.6 tok/s
+on the creative workload, 22.0 and 14.6 on the grounded one, in bench/results/workloads-2026-12-02 and
+two-pass-2026-12-03).
 Here two engines write the same text side by side in one process: each turn runs one step of each, in
 alternating order, so drift hits both alike. Both must write the same tokens (checked). Reported: the total
 time per token of each, their ratio, and the median ratio of paired step times over the steps where the
