@@ -26,9 +26,19 @@ class CostCurve:
         self.sizes = np.asarray(sizes, dtype=np.float64)
         self.seconds = np.asarray(seconds, dtype=np.float64)
         self.clean = True  # False: measured on a busy machine, kept for this run only
+        # rows[n]: the row count a forward over n tokens really runs (model.tree_rows on a float32 CPU model, set
+        # by padded()); None: n itself. The curve is measured at sizes the padding keeps, so it holds for both.
+        self.rows: np.ndarray | None = None
 
     def __call__(self, n: np.ndarray | int) -> np.ndarray:
+        if self.rows is not None:
+            n = self.rows[np.minimum(n, len(self.rows) - 1)]
         return np.interp(n, self.sizes, self.seconds)
+
+    def padded(self, tree_rows) -> "CostCurve":
+        """This curve for a model whose tree forwards run over tree_rows(n) rows (model.tree_rows)."""
+        self.rows = np.array([tree_rows(n) if n else 0 for n in range(int(self.sizes[-1]) + 1)])
+        return self
 
     def to_dict(self) -> dict:
         return {"sizes": self.sizes.astype(int).tolist(), "ms": [round(s * 1e3, 2) for s in self.seconds]}

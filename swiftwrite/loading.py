@@ -345,11 +345,17 @@ def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display:
     key += ("/graphs" if lm.cuda_graphs else "") + (f"/attn-{lm.attention}" if lm.attention != "auto" else "")
     key += f"/w-{lm.weights}" if lm.weights != "float" else ""  # quantized products cost another curve
 
+    from .model import LeanModel, tree_rows
+
+    m = lm.model  # a float32 CPU model pads its trees' rows (model.tree_rows): 9 tokens cost what 16 do
+    padded = isinstance(m, LeanModel) and not m.exact_rows and m.device.type == "cpu" and m.dtype == torch.float32
+
     def cost_at(cache):
         # measured once per model, device, dtype, thread count and 1K-token context bucket, then cached on disk
         bucket = cache.length // COST_BUCKET
-        return budget_mod.cached_curve(home() / "cost_curves.json", f"{key}/ctx{bucket}",
-                                       lambda: budget_mod.measure(lm.model, cache))
+        curve = budget_mod.cached_curve(home() / "cost_curves.json", f"{key}/ctx{bucket}",
+                                        lambda: budget_mod.measure(lm.model, cache))
+        return curve.padded(tree_rows) if padded else curve
 
     engine.cost_at = cost_at
     engine.cost = cost_at(engine.cache)

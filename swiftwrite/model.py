@@ -128,8 +128,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def tree_rows(n: int) -> int:
+    """Rows a float32 tree forward on a CPU runs its products over: n, or a few more zero rows where that is
+    faster. The BLAS kernel behind `linear` is fast at row counts that are multiples of 8 (and at some others)
+    and slow in between: the default model's products per forward over 15 rows cost 106.9 ms, over 16 rows
+    47.3 ms, over 23 rows 112.1 ms, over 24 rows 65.9 ms (bench/row_padding.py, 2026-12-03 10:10 UTC, this 2-core
+    AVX2 machine). So 3 and 7 rows run as 4 and 8, 9..15 as 16, and above 16 the counts that measured slow (n % 8 of
+    3, 5, 6 or 7) as the next multiple of 8; 5, 6, 17, 18 and 20 stay (their padded count cost as much or more)."""
+    if n in (3, 7):
+        return n + 1
+    if 8 < n <= 16:
+        return 16
+    if n > 16 and n % 8 in (3, 5, 6, 7):
+        return n + 8 - n % 8
+    return n
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, rows: int | None = None,
-           pad: bool = False) -> torch.Tensor:
+           pad: bool = False, grow: int = 0) -> torch.Tensor:
     """x @ w.T. In float32 on a CPU, computing (w @ x.T).T for a few rows picks a BLAS kernel that reads the
     weight once for all rows; F.linear's small-M path on this CPU class costs nearly n times a single row
     (bench/forward_cost.py measured 176 us vs 118 us for 2 rows of a 3072x576 matrix, 429 vs 325 us for 16),
@@ -142,7 +158,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, rows
     exactness rather than speed: torch's bfloat16 matmul gives a single row other bits than the same row among
     2..64 rows for the default model's down projection (1,536 inputs), while every count from 2 up agrees, so with
     the pad a decoding step and a tree's node round alike. `rows` (a tree's forward on an exact model, exact.py):
-    at most that many rows per product, a count measured to give each row the bits it has in a step."""
+    at most that many rows per product, a count measured to give each row the bits it has in a step.
+
+    `grow` (a float32 tree on a CPU: tree_rows): run the product over that many rows, the real ones first and
+    zeros after, and keep the real ones. Each row's result is its own (a product has no cross-row terms); float32
+    trees already differ from single steps in the last bits (see LeanModel.exact_rows), padding or not."""
     if rows is not None and x.shape[0] > rows:
         return torch.cat([linear(piece, w, b, pad=pad) for piece in x.split(rows)])
     if not isinstance(w, torch.Tensor):
@@ -152,8 +172,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, rows
         return F.linear(x, w, b)
     if x.dtype != torch.float32:
         return F.linear(x.repeat(2, 1), w, b)[:1] if pad and x.shape[0] == 1 else F.linear(x, w, b)
-    if x.shape[0] == 1:
+    n = x.shape[0]
+    if n == 1:
         y = (w @ x.repeat(2, 1).t())[:, :1].t()
+    elif grow > n:
+        y = (w @ torch.cat([x, x.new_zeros(grow - n, x.shape[1])]).t())[:, :n].t()
     else:
         y = (w @ x.t()).t()
     return y + b if b is not None else y
@@ -418,8 +441,12 @@ class LeanModel:
 
             self.rows = plan_rows(self)[0]
         rows = self.rows if paths is not None else None  # trees only: plain and speculative runs prefill alike
-        hidden = self._layers(ids, positions, attend, rows)
-        return self._logits(hidden, logits_for, rows), hidden
+        # a float32 tree on a CPU: products over a faster row count (tree_rows). Trees only: single steps and
+        # prefill chunks keep their rows, so plain decoding is what it was.
+        grow = tree_rows(n) if given is not None and kv is None and n > 1 and not self.exact_rows \
+            and self.device.type == "cpu" and self.dtype == torch.float32 else 0
+        hidden = self._layers(ids, positions, attend, rows, grow)
+        return self._logits(hidden, logits_for, rows, grow), hidden
 
     @staticmethod
     def _row_paths(mask: torch.Tensor, start: int, n: int) -> list[torch.Tensor | None] | None:
@@ -485,9 +512,10 @@ class LeanModel:
         hidden = self._layers(ids, positions, attend)
         return self._logits(hidden, None), hidden
 
-    def _layers(self, ids: torch.Tensor, positions: torch.Tensor, attend, rows: dict[str, int] | None = None) -> torch.Tensor:
+    def _layers(self, ids: torch.Tensor, positions: torch.Tensor, attend, rows: dict[str, int] | None = None,
+                grow: int = 0) -> torch.Tensor:
         """Every decoder layer over `ids`; `attend(layer, q, k, v) -> [n, H*D]` stores K/V and attends. `rows`:
-        the products' piece sizes (exact.py) or None."""
+        the products' piece sizes (exact.py) or None; `grow`: the products' padded row count (tree_rows) or 0."""
         cfg = self.cfg
         n = ids.shape[0]
         H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -498,7 +526,7 @@ class LeanModel:
         r, pad = rows or {}, self.pads
         for li, L in enumerate(self.layers):
             h = rms_norm(x, L["in_norm"], cfg.rms_eps)
-            qkv = linear(h, L["wqkv"], L["bqkv"], r.get("wqkv"), pad.get("wqkv", False))
+            qkv = linear(h, L["wqkv"], L["bqkv"], r.get("wqkv"), pad.get("wqkv", False), grow)
             q = qkv[:, :q_size].view(n, H, D).transpose(0, 1)
             k = qkv[:, q_size : q_size + kv_size].view(n, KV, D).transpose(0, 1)
             v = qkv[:, q_size + kv_size :].view(n, KV, D).transpose(0, 1)
@@ -506,17 +534,18 @@ class LeanModel:
                 q = rms_norm(q, L["q_norm"], cfg.rms_eps)
                 k = rms_norm(k, L["k_norm"], cfg.rms_eps)
             o = attend(li, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
-            x = x + linear(o, L["wo"], L["bo"], r.get("wo"), pad.get("wo", False))
+            x = x + linear(o, L["wo"], L["bo"], r.get("wo"), pad.get("wo", False), grow)
             h = rms_norm(x, L["post_norm"], cfg.rms_eps)
-            gu = linear(h, L["w_gate_up"], L["b_gate_up"], r.get("w_gate_up"), pad.get("w_gate_up", False))
+            gu = linear(h, L["w_gate_up"], L["b_gate_up"], r.get("w_gate_up"), pad.get("w_gate_up", False), grow)
             x = x + linear(F.silu(gu[:, :inter]) * gu[:, inter:], L["w_down"], L["b_down"], r.get("w_down"),
-                           pad.get("w_down", False))
+                           pad.get("w_down", False), grow)
         return x
 
-    def _logits(self, hidden: torch.Tensor, logits_for, rows: dict[str, int] | None = None) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, logits_for, rows: dict[str, int] | None = None, grow: int = 0) -> torch.Tensor:
         h = hidden if logits_for is None else hidden[logits_for]
+        grow = grow if h.shape[0] == hidden.shape[0] else 0
         return linear(rms_norm(h, self.final_norm, self.cfg.rms_eps), self.lm_head, None, (rows or {}).get("lm_head"),
-                      self.pads.get("lm_head", False)).float()
+                      self.pads.get("lm_head", False), grow).float()
 
 
 # ---------------------------------------------------------------------------------------------------------

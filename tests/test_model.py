@@ -4,10 +4,12 @@ real default model end to end (greedy output token for token)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from swiftwrite.model import load_lean
+from swiftwrite.budget import SIZES, CostCurve
+from swiftwrite.model import linear, load_lean, tree_rows
 from tiny import tiny_hf_model
 
 ATOL = RTOL = 1e-4  # float32 through 2 layers of width 64: observed differences are ~3e-6
@@ -320,3 +322,30 @@ def test_real_model_greedy_200_tokens_equal_transformers_generate(real):
         cache.length += 1
     assert len(got) >= 100, "the prompt should keep the model writing; pick one that does"
     assert got == expected
+
+
+def test_tree_rows_only_grow_and_land_on_the_kernels_fast_counts():
+    for n in range(1, 129):
+        m = tree_rows(n)
+        assert n <= m <= n + 7
+        assert m == n or m % 4 == 0  # a padded count is one the kernel is fast at
+        assert tree_rows(m) == m  # padding twice changes nothing
+    assert [tree_rows(n) for n in (1, 2, 4, 5, 6, 8, 16, 32)] == [1, 2, 4, 5, 6, 8, 16, 32]  # the measured sizes keep
+    assert {tree_rows(n) for n in range(9, 17)} == {16}
+
+
+def test_zero_padded_product_rows_are_the_rows_alone():
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64), torch.randn(96)
+    for n in range(2, 34):
+        x = torch.randn(n, 64)
+        y = linear(x, w, b, grow=tree_rows(n))
+        assert y.shape == (n, 96)
+        torch.testing.assert_close(y, x @ w.T + b, rtol=1e-5, atol=1e-4)
+
+
+def test_a_padded_cost_curve_prices_n_tokens_at_the_rows_they_run():
+    c = CostCurve(SIZES, [1.0, 1.2, 1.4, 1.8, 2.4, 4.0, 8.0]).padded(tree_rows)
+    for n in range(1, 65):
+        assert float(c(n)) == float(np.interp(tree_rows(n), SIZES, c.seconds))
+    assert len({float(c(n)) for n in range(9, 17)}) == 1  # 9..16 tokens all run as 16 rows
