@@ -141,17 +141,8 @@ def run(lm, display, ids, start, setting, b, n) -> dict:
     engine.start(ids)
     loading.fit_budget(engine, lm, cfg, display, upto=len(ids) + n)  # `auto`: its cost curves, before timing
     model = engine.model
-    inner = type(model).forward
-    spent = [0.0]
-
-    def timed(*args, **kw):
-        t = time.perf_counter()
-        try:
-            return inner(model, *args, **kw)
-        finally:
-            spent[0] += time.perf_counter() - t
-
-    model.forward = timed  # an instance attribute: this engine's calls, and only for this run
+    spent: dict[str, float] = {}  # this step's forward time
+    model.forward = clock(model.forward, "forward", spent)  # an instance attribute: this run's calls only
     # the rest of a step, by part: each method timed where the engine calls it (instance attributes, removed after)
     parts: dict[str, float] = {}
     clocked = [(engine.sampler, "process", "process"), (engine.sampler, "choose", "choose"),
@@ -164,10 +155,11 @@ def run(lm, display, ids, start, setting, b, n) -> dict:
     try:
         with torch.inference_mode():
             while len(toks) < n:
-                spent[0] = 0.0
+                spent.clear()
                 t = time.perf_counter()
                 st = engine.step(n - len(toks))
-                steps.append((time.perf_counter() - t, spent[0], st.forward_tokens, len(st.tokens), st.rebuilt))
+                steps.append((time.perf_counter() - t, spent.get("forward", 0.0), st.forward_tokens, len(st.tokens),
+                              st.rebuilt))
                 toks += st.tokens
     finally:
         del model.forward

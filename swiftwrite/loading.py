@@ -345,10 +345,10 @@ def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display:
     key += ("/graphs" if lm.cuda_graphs else "") + (f"/attn-{lm.attention}" if lm.attention != "auto" else "")
     key += f"/w-{lm.weights}" if lm.weights != "float" else ""  # quantized products cost another curve
 
-    from .model import LeanModel, tree_rows
+    from .model import tree_rows
 
-    m = lm.model  # a float32 CPU model pads its trees' rows (model.tree_rows): 9 tokens cost what 16 do
-    padded = isinstance(m, LeanModel) and not m.exact_rows and m.device.type == "cpu" and m.dtype == torch.float32
+    # a model whose trees' rows are padded (model.tree_rows): 9 tokens cost it what 16 do
+    padded = getattr(lm.model, "pads_trees", False)
 
     def cost_at(cache):
         # measured once per model, device, dtype, thread count and 1K-token context bucket, then cached on disk

@@ -325,6 +325,8 @@ class LeanModel:
         # float32 trees run batched: their rows differ in the last bits, observed never to change a token.
         self.exact_rows = bool(quantized) or dtype in (torch.bfloat16, torch.float16)
         self.rows: dict[str, int] | None = None  # product -> piece size for trees, set by exact.check
+        # float32 on a CPU: a tree's products run over a faster row count (tree_rows); the cost curve knows it too
+        self.pads_trees = not self.exact_rows and self.device.type == "cpu" and dtype == torch.float32
         get = lambda name: weights[name].to(self.device, dtype)  # noqa: E731
         if quantized:
             self.embed = quantized["embed"]
@@ -443,8 +445,7 @@ class LeanModel:
         rows = self.rows if paths is not None else None  # trees only: plain and speculative runs prefill alike
         # a float32 tree on a CPU: products over a faster row count (tree_rows). Trees only: single steps and
         # prefill chunks keep their rows, so plain decoding is what it was.
-        grow = tree_rows(n) if given is not None and kv is None and n > 1 and not self.exact_rows \
-            and self.device.type == "cpu" and self.dtype == torch.float32 else 0
+        grow = tree_rows(n) if self.pads_trees and given is not None and kv is None and n > 1 else 0
         hidden = self._layers(ids, positions, attend, rows, grow)
         return self._logits(hidden, logits_for, rows, grow), hidden
 
