@@ -10,7 +10,8 @@ Here two engines write the same text side by side in one process: each turn runs
 alternating order, so drift hits both alike. Both must write the same tokens (checked). Reported: the total
 time per token of each, their ratio, and the median ratio of paired step times over the steps where the
 automatic budget rested (a one-node tree: the same forward as a plain step, so the difference is what the draft
-sources cost around it), plus the share of steps that rested, explored, and rebuilt the context.
+sources cost around it), plus the number of steps that rested, verified a tree (`tree_steps`: before 2026-12-03's
+shadow checks these included the looks, 2-node trees verified every 16-128 resting steps), and rebuilt the context.
 """
 
 from __future__ import annotations
@@ -58,11 +59,11 @@ def main() -> None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(report, indent=1))
     print("| workload | setting | none ms/token | all ms/token | all / none | resting steps | median paired ratio "
-          "(resting) | explore steps | rebuilds | first diff | D-4 | longest repeat |\n"
+          "(resting) | tree steps | rebuilds | first diff | D-4 | longest repeat |\n"
           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for r in rows:
         print(f"| {r['workload']} | {r['setting']} | {r['none_ms_per_token']} | {r['all_ms_per_token']} | "
-              f"{r['time_ratio']} | {r['resting_steps']} | {r['resting_median_ratio']} | {r['explore_steps']} | "
+              f"{r['time_ratio']} | {r['resting_steps']} | {r['resting_median_ratio']} | {r['tree_steps']} | "
               f"{r['rebuilds']} | {r['first_divergence']} | {r['distinct_4']} | {r['longest_repeat']} |")
 
 
@@ -77,7 +78,7 @@ def pair(lm, display, ids, start, setting, n, context) -> dict:
         engines[draft] = e
     out = {"none": [], "all": []}
     secs = {"none": 0.0, "all": 0.0}
-    paired, explore, rebuilds = [], 0, 0
+    paired, trees, rebuilds = [], 0, 0
     turn = 0
     with torch.inference_mode():
         while min(len(out["none"]), len(out["all"])) < n:
@@ -96,7 +97,7 @@ def pair(lm, display, ids, start, setting, n, context) -> dict:
                 st = took["all"][1]
                 rebuilds += st.rebuilt
                 if st.forward_tokens > 1:
-                    explore += 1
+                    trees += 1
                 elif "none" in took and not st.rebuilt and not took["none"][1].rebuilt:
                     paired.append(took["all"][0] / took["none"][0])
     text = out["none"][:n]
@@ -104,7 +105,7 @@ def pair(lm, display, ids, start, setting, n, context) -> dict:
             "all_ms_per_token": round(1000 * secs["all"] / len(out["all"]), 3),
             "time_ratio": round(secs["all"] / len(out["all"]) / (secs["none"] / len(out["none"])), 4),
             "resting_steps": len(paired), "resting_median_ratio": round(statistics.median(paired), 4) if paired else None,
-            "explore_steps": explore, "rebuilds": rebuilds,
+            "tree_steps": trees, "rebuilds": rebuilds,
             "first_divergence": first_divergence(out["all"][:n], text),
             "distinct_4": distinct(text)["distinct_4"], "longest_repeat": longest_repeat(text)}
 

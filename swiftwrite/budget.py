@@ -29,6 +29,7 @@ class CostCurve:
         # rows[n]: the row count a forward over n tokens really runs (model.tree_rows on a float32 CPU model, set
         # by padded()); None: n itself. The curve is measured at sizes the padding keeps, so it holds for both.
         self.rows: np.ndarray | None = None
+        self._table: np.ndarray | None = None  # cost(1..m), kept: the automatic budget reads it every step
 
     def __call__(self, n: np.ndarray | int) -> np.ndarray:
         if self.rows is not None:
@@ -38,7 +39,14 @@ class CostCurve:
     def padded(self, tree_rows) -> "CostCurve":
         """This curve for a model whose tree forwards run over tree_rows(n) rows (model.tree_rows)."""
         self.rows = np.array([tree_rows(n) if n else 0 for n in range(int(self.sizes[-1]) + 1)])
+        self._table = None
         return self
+
+    def upto(self, m: int) -> np.ndarray:
+        """[cost(1), ..., cost(m)]."""
+        if self._table is None or len(self._table) < m:
+            self._table = self(np.arange(1, max(m, MAX_BUDGET + 1) + 1))
+        return self._table[:m]
 
     def to_dict(self) -> dict:
         return {"sizes": self.sizes.astype(int).tolist(), "ms": [round(s * 1e3, 2) for s in self.seconds]}
@@ -48,13 +56,19 @@ class CostCurve:
         return cls(d["sizes"], [m / 1e3 for m in d["ms"]])
 
 
-def best_budget(scores: list[float], cost: CostCurve, cap: int = MAX_BUDGET, scale: float = 1.0) -> int:
-    """argmax_B (1 + scale * sum of the B best scores) / cost(B + 1), B in 0..cap. `scale` calibrates the
-    estimates against what verification actually accepted (Engine.calibration)."""
-    p = scale * np.asarray(sorted(scores, reverse=True)[:cap], dtype=np.float64)
-    gain = 1.0 + np.concatenate([[0.0], np.cumsum(p)])
-    rate = gain / cost(np.arange(len(gain)) + 1)
-    return int(np.argmax(rate))
+def best_budget(scores: list[float], cost: CostCurve, cap: int = MAX_BUDGET, scale: float = 1.0, least: int = 0) -> int:
+    """argmax_B (1 + scale * sum of the B best scores) / cost(B + 1), B in least..cap (0 when there are fewer
+    than `least` scores). `scale` calibrates the estimates against what verification actually accepted
+    (Engine.calibration)."""
+    p = np.asarray(sorted(scores, reverse=True)[:cap], dtype=np.float64)
+    gain = np.empty(len(p) + 1)
+    gain[0] = 0.0
+    np.cumsum(p, out=gain[1:])
+    gain *= scale
+    gain += 1.0
+    if len(gain) <= least:
+        return 0
+    return least + int(np.argmax(gain[least:] / cost.upto(len(gain))[least:]))
 
 
 def measure(model, cache, reps: int = 3, sizes=SIZES, tries: int = 3) -> CostCurve:
@@ -69,7 +83,7 @@ def measure(model, cache, reps: int = 3, sizes=SIZES, tries: int = 3) -> CostCur
         curve = _measure_once(model, cache, reps, sizes)
         if curve.clean:
             return curve
-    curve.seconds = np.maximum.accumulate(curve.seconds)
+    curve.seconds, curve._table = np.maximum.accumulate(curve.seconds), None
     return curve
 
 

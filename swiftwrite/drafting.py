@@ -29,23 +29,29 @@ class AcceptanceStats:
         prior = 0.6 / (np.arange(MAX_RANK) + 1.0)
         self.prior_hit = np.broadcast_to(2.0 * prior, shape)
         self.prior_tried = 2.0
+        self._refresh()
+
+    def _refresh(self) -> None:
         self.rate = (self.hit + self.prior_hit) / (self.tried + self.prior_tried)
+        self._rates = self.rate.tolist()  # the sources read a few dozen estimates per step: plain floats are cheaper
 
     def estimate(self, source: int, depth: int, rank: int) -> float:
-        return float(self.rate[source, min(depth, MAX_DEPTH), min(rank, MAX_RANK - 1)])
+        return self._rates[source][min(depth, MAX_DEPTH)][min(rank, MAX_RANK - 1)]
 
     def update(self, flat: Flat, path: list[int]) -> None:
+        self.count(flat.parent.tolist(), flat.depth.tolist(), flat.ranks, path)
+
+    def count(self, parents: list[int], depth: list[int], ranks: list[dict[int, int]], path: list[int]) -> None:
+        """Count a tree (parents precede children) whose accepted path is `path` (node indices, root first)."""
         accepted = set(path)
-        parents = flat.parent.tolist()
-        depth = flat.depth.tolist()
         for i in range(1, len(parents)):
             if parents[i] not in accepted:
                 continue
-            for src, rank in flat.ranks[i].items():
+            for src, rank in ranks[i].items():
                 key = (src, min(depth[i], MAX_DEPTH), min(rank, MAX_RANK - 1))
                 self.tried[key] += 1
                 self.hit[key] += i in accepted
-        self.rate = (self.hit + self.prior_hit) / (self.tried + self.prior_tried)
+        self._refresh()
 
     def summary(self, source: int) -> dict:
         t, h = self.tried[source].sum(), self.hit[source].sum()

@@ -29,11 +29,13 @@ PREFILL_CHUNK = 256
 TOPK = 8  # next-token candidates per node handed to the sources
 COST_BUCKET = 1024  # context growth (tokens) after which the cost curve is measured again (attention grows)
 CALIBRATION_PRIOR = 2.0  # pseudo-tokens on both sides of the calibration ratio: starts at 1.0
-CALIBRATION_DECAY = 0.99  # per verified tree: the ratio follows the last ~100 of them
-EXPLORE_EVERY = 16  # steps of budget 0 after which a 2-node tree is verified anyway (keeps the rates fresh)
-# ... doubled after each such look that accepts nothing, up to EXPLORE_MAX: on text where drafts never pay the
-# looks were most of what resting cost (bench/resting.py), and a loop is still noticed within a few seconds
-# (the cheap sources keep proposing, and one accepted look brings the period back to EXPLORE_EVERY)
+CALIBRATION_DECAY = 0.99  # per verified or shadow-checked tree: the ratio follows the last ~100 of them
+CHECK_EVERY = 4  # while resting, the cheap sources propose (and the tree is shadow-checked) every 4th step only;
+# the other resting steps are quiet: no proposals, no budget, and the recycling matrix is not updated from their
+# forward (its top-k alone costs ~0.5% of a step). Only the n-gram table keeps counting. A repetition waits at
+# most 3 steps; the matrix learns on check steps and on every step once drafting pays
+EXPLORE_EVERY = 16  # steps of budget 0 after which the costly sources propose again, into a shadow check
+# ... doubled after each such look that accepts nothing, up to EXPLORE_MAX (each look costs the heads' work)
 EXPLORE_MAX = 128
 
 
@@ -99,13 +101,18 @@ class Engine:
         self.forwards = 0
         self.stopped = False
         self._idle = 0  # consecutive steps with an automatic budget of 0
-        self._explore_every = EXPLORE_EVERY  # resting steps before the next look
-        # Calibration of the automatic budget: accepted draft tokens vs the sum of the verified nodes'
-        # estimates, decayed. The per-(source, depth, rank) rates are fitted on the nodes that got verified,
-        # and the best-scoring nodes of a step are exactly the ones whose estimates came out high by chance
-        # (and a node several sources proposed keeps the highest), so the raw scores overpromise; on a CPU,
-        # where one extra node costs 30% of a step, that turns a small expected gain into a real loss.
+        self._explore_every = EXPLORE_EVERY  # resting steps before the costly sources look again
+        # Shadow checks of resting steps' trees, waiting for the tokens that decide them: (n at that step, tokens,
+        # parents, depths, ranks, sum of scores, whether it was a look).
+        self._shadows: list[tuple] = []
+        # Calibration of the automatic budget: accepted draft tokens vs the sum of the verified (or, while
+        # resting, shadow-checked) nodes' estimates, decayed. The per-(source, depth, rank) rates are fitted on
+        # the nodes that got checked, and the best-scoring nodes of a step are exactly the ones whose estimates
+        # came out high by chance (and a node several sources proposed keeps the highest), so the raw scores
+        # overpromise; on a CPU, where one extra node costs 30% of a step, that turns a small expected gain into
+        # a real loss.
         self._real, self._pred = CALIBRATION_PRIOR, CALIBRATION_PRIOR
+        self._predicted = 0.0  # the summed estimates of the tree being verified
         self.pinned = None  # pin_context(): ids kept between the prompt and the recent tokens after a rebuild
         self.prompt_len = window.prompt
         for src in self.sources:
@@ -179,31 +186,7 @@ class Engine:
         tree = self.tree
         tree.reset(root)
         max_depth = min(b - 1 - self.n, remaining - 1, MAX_DEPTH)
-        budget = 0
-        explored = False
-        if self.sources and max_depth > 0:
-            hist = self.S[: self.n].numpy()
-            limit = self.max_nodes - 1
-            resting = self._resting()
-            for src in self.sources:
-                if not (resting and src.costly):
-                    src.propose(tree, hist, max_depth, limit)
-            if self.budget is not None:
-                budget = self.budget
-            else:
-                bucket = self.cache.length // COST_BUCKET
-                if self.cost_at is not None and bucket != self._cost_bucket:
-                    self.cost, self._cost_bucket = self.cost_at(self.cache), bucket
-                scores = tree.best_scores(max_depth)
-                budget = best_budget(scores, self.cost, limit, scale=self.calibration)
-                # A budget of 0 verifies nothing, so the acceptance rates would never be measured again and a
-                # text that turns repetitive later would go unnoticed: verify a small tree now and then.
-                if budget > 0:
-                    self._idle, self._explore_every = 0, EXPLORE_EVERY
-                elif self._idle >= self._explore_every:
-                    budget, self._idle, explored = 2, 0, True
-                else:
-                    self._idle += 1
+        budget, quiet = self._draft(tree, max_depth) if self.sources and max_depth > 0 else (0, False)
         flat = tree.select(budget, max_depth, device=self.model.device)
         n_nodes = flat.tokens.shape[0]
         base = self.cache.length  # position of the root: the context length minus one
@@ -214,8 +197,6 @@ class Engine:
         processed = self.sampler.process(logits, hist_t, flat.tokens, flat.depth, flat.anc, flat.parent)
         choice = self.sampler.choose(processed, (self.n + flat.depth).tolist()).tolist()
         path, bonus = walk(flat, choice)
-        if explored:  # a look that found nothing (no draft accepted, or none to try) waits twice as long next time
-            self._explore_every = EXPLORE_EVERY if len(path) > 1 else min(2 * self._explore_every, EXPLORE_MAX)
         tok_list = flat.tokens.tolist()
         new = [tok_list[i] for i in path[1:]] + [bonus]
         new = new[:remaining]
@@ -237,11 +218,13 @@ class Engine:
                 self.stats.update(flat, path)
                 if self.budget is None:
                     self._real = self._real * CALIBRATION_DECAY + (len(path) - 1)
-                    self._pred = self._pred * CALIBRATION_DECAY + sum(scores[: n_nodes - 1])
-            top = torch.topk(processed, TOPK, dim=-1).indices.cpu().numpy().astype(np.int32)
+                    self._pred = self._pred * CALIBRATION_DECAY + self._predicted
+            if not quiet:  # a top-k over the vocabulary costs ~0.5% of a CPU step: quiet steps skip it
+                top = torch.topk(processed, TOPK, dim=-1).indices.cpu().numpy().astype(np.int32)
+                for src in self.sources:
+                    src.after_verify(flat, top)
             resting = self._resting()  # the costly sources sit out the next step: skip their work for it
             for src in self.sources:
-                src.after_verify(flat, top)
                 if not (resting and src.costly):
                     src.after_accept(hidden[path[len(new) - 1]])
         self._ensure_capacity(self.n + len(new))
@@ -251,8 +234,45 @@ class Engine:
             hist = self.S[: self.n].numpy()
             for src in self.sources:
                 src.after_commit(hist, len(new))
+            if self._shadows:
+                self._check_shadows(hist)
         accepted_src = [flat.sources[i] for i in path[1 : len(new) + 1]]  # drafts among the committed tokens
         return Step(new, n_nodes, n_nodes - 1, accepted_src, rebuilt)
+
+    def _draft(self, tree: DraftTree, max_depth: int) -> tuple[int, bool]:
+        """Let the sources propose into `tree`; return how many of its nodes to verify, and whether this is a
+        quiet resting step (no proposals, and no source learns from its forward: see CHECK_EVERY)."""
+        resting = self._resting()
+        if resting and self._idle % CHECK_EVERY:
+            self._idle += 1
+            return 0, True
+        hist = self.S[: self.n].numpy()
+        limit = self.max_nodes - 1
+        for src in self.sources:
+            if not (resting and src.costly):
+                src.propose(tree, hist, max_depth, limit)
+        if self.budget is not None:
+            return self.budget, False
+        bucket = self.cache.length // COST_BUCKET
+        if self.cost_at is not None and bucket != self._cost_bucket:
+            self.cost, self._cost_bucket = self.cost_at(self.cache), bucket
+        scores = tree.best_scores(max_depth)
+        budget = best_budget(scores, self.cost, limit, scale=self.calibration)
+        if budget > 0:
+            self._idle, self._explore_every = 0, EXPLORE_EVERY
+            self._predicted = sum(scores[:budget])  # what the calibration compares the accepted count with
+            return budget, False
+        # A budget of 0 verifies nothing, yet the rates must follow the text, or one that turns repetitive would
+        # go unnoticed. They need no forward: a node would have been accepted exactly when its path equals the
+        # tokens committed after the root (verification accepts what plain decoding writes), so the tree this
+        # step would verify if drafting were to pay at all is counted once those tokens exist. Its outcome is
+        # what the rates and the calibration must learn, since that tree is the choice against resting.
+        look = self._idle >= self._explore_every  # the costly sources proposed too
+        # after a look the count restarts at 1, not 0 (0: a tree was just verified): the costly sources rest again
+        self._idle = 1 if look else self._idle + 1
+        size = best_budget(scores, self.cost, limit, scale=self.calibration, least=1)
+        self._shadows.append((self.n, *tree.best(size, max_depth), look))
+        return 0, False
 
     @torch.inference_mode()
     def force(self, ids: list[int]) -> None:
@@ -262,6 +282,7 @@ class Engine:
         rebuild, the next step rebuilds the context at the new length instead, as a resume there would."""
         if not ids:
             return
+        self._shadows.clear()  # forced tokens are not the model's choices: they say nothing of a draft
         self._ensure_capacity(self.n + len(ids))
         old = self.n
         self.S[old : old + len(ids)] = torch.tensor(ids, dtype=torch.long)
@@ -278,13 +299,35 @@ class Engine:
             for src in self.sources:
                 src.after_commit(hist, len(ids))
 
+    def _check_shadows(self, hist: np.ndarray) -> None:
+        """Count each waiting shadow check whose deepest node's token is committed, as if it had been verified."""
+        keep = []
+        for shadow in self._shadows:
+            n0, tokens, parents, depth, ranks, predicted, look = shadow
+            if n0 + depth[-1] > self.n:
+                keep.append(shadow)
+                continue
+            children = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
+            path = [0]  # node at depth d guesses hist[n0 - 1 + d]: the root is hist[n0 - 1]
+            while len(path) <= depth[-1] and (nxt := children.get((path[-1], int(hist[n0 + len(path) - 1])))) is not None:
+                path.append(nxt)
+            if len(tokens) > 1:
+                self.stats.count(parents, depth, ranks, path)
+                self._real = self._real * CALIBRATION_DECAY + (len(path) - 1)
+                self._pred = self._pred * CALIBRATION_DECAY + predicted
+            if look:  # a look where no costly source's draft was accepted waits twice as long next time
+                costly = {src.id for src in self.sources if src.costly}
+                found = any(src in costly for i in path[1:] for src in ranks[i])
+                self._explore_every = EXPLORE_EVERY if found else min(2 * self._explore_every, EXPLORE_MAX)
+        self._shadows = keep
+
     def _resting(self) -> bool:
         """True while an automatic budget rests at 0: the costly sources (the heads: a few ms of matrix work
         per step) sit out until the explore period has passed (EXPLORE_EVERY steps, doubled after each look that
-        accepted nothing, up to EXPLORE_MAX), then every source proposes again and a small tree is verified even
-        if the budget still says 0. The cheap sources (table lookups) keep proposing,
-        so a repetition they spot is still taken at once. On a CPU where drafts rarely pay, this keeps `auto`
-        near the speed of plain decoding."""
+        accepted nothing, up to EXPLORE_MAX), then every source proposes again into that step's shadow check.
+        The cheap sources (table lookups) keep proposing, so a repetition they spot is still taken at once. On a
+        CPU where drafts rarely pay, this keeps `auto` near the speed of plain decoding: a resting step runs the
+        same one-token forward as a plain step."""
         return self.budget is None and 0 < self._idle < self._explore_every
 
     @property

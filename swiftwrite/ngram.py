@@ -26,6 +26,9 @@ class NgramDrafter(DraftSource):
         super().__init__(source_id, stats)
         self.table: dict[int, Counter] = {}
         self.seen = 0  # history tokens already counted
+        # key -> its TOP continuations, best first, until the key is counted again: a common token of a long
+        # document has thousands of continuations, and ranking them every time it is the root would grow with it
+        self._best: dict[int, list[tuple]] = {}
 
     def after_commit(self, history: np.ndarray, n_new: int) -> None:
         # Count every 4-gram that ends in a token not counted before.
@@ -36,25 +39,31 @@ class NgramDrafter(DraftSource):
             if first + j + N > self.seen:
                 key = window[j]
                 self.table.setdefault(key, Counter())[tuple(window[j + 1 : j + N])] += 1
+                self._best.pop(key, None)
         self.seen = total
 
     def seed(self, tokens: np.ndarray, topk: np.ndarray) -> None:
         pass  # the prompt is counted by the first after_commit, which sees the whole history
 
     def propose(self, tree: DraftTree, history: np.ndarray, max_depth: int, limit: int) -> None:
-        counts = self.table.get(int(history[-1]))
-        if not counts:
-            return
-        best = heapq.nlargest(min(TOP, limit), counts.items(), key=lambda kv: kv[1])
-        sibling_rank: dict[tuple, int] = {}
-        for cont, _ in best:
+        root = int(history[-1])
+        best = self._best.get(root)
+        if best is None:
+            counts = self.table.get(root)
+            if not counts:
+                return
+            # nlargest is sorted(...)[:n], stable: the first `limit` of the TOP are the `limit` best
+            best = self._best[root] = [c for c, _ in heapq.nlargest(TOP, counts.items(), key=lambda kv: kv[1])]
+        rank_of: dict[tuple, int] = {}  # (prefix, token) -> its rank among the prefix's children, by first sight
+        children: dict[tuple, int] = {}  # prefix -> how many distinct children it has so far
+        for cont in best[: min(TOP, limit)]:
             node = 0
             for d, tok in enumerate(cont[:max_depth], start=1):
                 prefix = cont[: d - 1]
-                key = (prefix, tok)
-                if key not in sibling_rank:
-                    sibling_rank[key] = sum(1 for p, _ in sibling_rank if p == prefix)
-                rank = sibling_rank[key]
+                rank = rank_of.get((prefix, tok))
+                if rank is None:
+                    rank = rank_of[(prefix, tok)] = children.get(prefix, 0)
+                    children[prefix] = rank + 1
                 node = tree.add(node, tok, tree.score[node] * self.stats.estimate(self.id, d, rank), self.id, rank)
 
     def state(self) -> dict[str, np.ndarray]:
@@ -69,4 +78,4 @@ class NgramDrafter(DraftSource):
         table: dict[int, Counter] = {}
         for row in arr.tolist():
             table.setdefault(row[0], Counter())[tuple(row[1:N])] = row[N]
-        self.table, self.seen = table, int(seen[0])
+        self.table, self.seen, self._best = table, int(seen[0]), {}

@@ -15,6 +15,7 @@ the same contexts.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -73,13 +74,20 @@ class DraftTree:
         """Scores of non-root nodes within `max_depth`, best first (for choosing the budget)."""
         return sorted((s for s, d in zip(self.score[1:], self.depth[1:]) if d <= max_depth), reverse=True)
 
+    def _best(self, k: int, max_depth: int) -> list[int]:
+        """Indices of the `k` best nodes no deeper than `max_depth`, parents before children. Ties go to the
+        shallower, then the older node, so a parent always comes before a child that scores as much."""
+        order = heapq.nsmallest(k, (i for i in range(1, len(self.token)) if self.depth[i] <= max_depth),
+                                key=lambda i: (-self.score[i], self.depth[i], i))
+        return sorted(order, key=lambda i: (self.depth[i], i))
+
     def select(self, budget: int, max_depth: int, device="cpu") -> Flat:
         """Keep the root and the `budget` best nodes no deeper than `max_depth`; return them flattened."""
-        order = sorted(
-            (i for i in range(1, len(self.token)) if self.depth[i] <= max_depth),
-            key=lambda i: (-self.score[i], self.depth[i], i),
-        )[: max(0, budget)]
-        keep = [0] + sorted(order, key=lambda i: (self.depth[i], i))
+        if budget <= 0:  # a plain step (or a resting one): nothing to rank
+            return Flat(torch.tensor(self.token[:1], dtype=torch.long, device=device),
+                        torch.zeros(1, dtype=torch.long, device=device), torch.full((1,), -1, dtype=torch.long, device=device),
+                        torch.ones(1, 1, dtype=torch.bool, device=device), self.src[:1], self.rank[:1], {})
+        keep = [0] + self._best(budget, max_depth)
         new = {old: k for k, old in enumerate(keep)}
         n = len(keep)
         parent = [-1] + [new[self.parent[i]] for i in keep[1:]]
@@ -96,6 +104,14 @@ class DraftTree:
             ranks=[self.rank[i] for i in keep],
             children={(parent[k], tokens[k]): k for k in range(1, n)},
         )
+
+    def best(self, k: int, max_depth: int) -> tuple[list[int], list[int], list[int], list[dict[int, int]], float]:
+        """What `select(k)` would verify, as plain lists: (tokens, parents, depths, ranks, sum of the nodes'
+        scores), root first. For a shadow check (Engine), which verifies nothing and so needs no tensors."""
+        keep = [0] + self._best(k, max_depth)
+        new = {old: j for j, old in enumerate(keep)}
+        return ([self.token[i] for i in keep], [-1] + [new[self.parent[i]] for i in keep[1:]],
+                [self.depth[i] for i in keep], [self.rank[i] for i in keep], sum(self.score[i] for i in keep[1:]))
 
 
 def walk(flat: Flat, choice: list[int]) -> tuple[list[int], int]:

@@ -213,39 +213,67 @@ def test_auto_budget_verifies_larger_trees_on_a_flat_cost_curve_than_on_a_steep_
     assert max(x.forward_tokens for x in steep) <= 16
 
 
-def test_an_auto_budget_at_zero_rests_and_looks_again_less_often_while_looks_find_nothing(models):
-    """A cost curve where no draft can pay: a costly source sits out the resting steps; after EXPLORE_EVERY of
-    them all sources propose and a 2-node tree is verified anyway; each look that accepts nothing doubles the
-    wait for the next (up to EXPLORE_MAX), and one that accepts a draft brings it back to EXPLORE_EVERY."""
-    from swiftwrite.engine import EXPLORE_EVERY, EXPLORE_MAX
-
+def _hopeless_engine(models, costly_calls=None):
+    """An automatic budget on a cost curve where no draft can pay, the first source marked costly (as the heads
+    are) and its proposals recorded by step."""
     hopeless = CostCurve(SIZES, [1.0, 100.0, 200.0, 400.0, 800.0, 1600.0, 3200.0])
     prompt, s = prompt_for("qwen3-s1"), SETTINGS["greedy-w32"]
-    calls = []
     model = models("qwen3-s1")
     sources, stats = make_sources(["recycling", "ngram"], model.cfg.vocab_size)
-    costly = sources[0]
-    costly.costly = True  # as the heads are
-    real = costly.propose
-    costly.propose = lambda *a: (calls.append(1), real(*a))
     engine = Engine(model, Sampler(s, model.cfg.vocab_size), Window(model.cfg.max_positions, len(prompt)), sources,
                     stats, cost=hopeless, capacity=len(prompt) + 801)
+    if costly_calls is not None:
+        costly = sources[0]
+        costly.costly = True
+        real = costly.propose
+        costly.propose = lambda *a: (costly_calls.append(engine.forwards), real(*a))
     engine.start(prompt)
+    return engine
+
+
+def test_an_auto_budget_at_zero_rests_and_looks_again_less_often_while_looks_find_nothing(models):
+    """No draft can pay: every step is a plain one-token forward, and the cheap sources propose on every
+    CHECK_EVERY-th resting step only. A costly source sits out; after EXPLORE_EVERY resting steps it proposes
+    again (a look, checked in the shadow); each look where none of its drafts is accepted doubles the wait for the
+    next (up to EXPLORE_MAX), and one where one is brings it back to EXPLORE_EVERY."""
+    from swiftwrite.engine import CHECK_EVERY, EXPLORE_EVERY, EXPLORE_MAX
+
+    calls, cheap = [], []
+    engine = _hopeless_engine(models, calls)
+    real = engine.sources[1].propose
+    engine.sources[1].propose = lambda *a: (cheap.append(engine.forwards), real(*a))
     steps = list(engine.run(800))
-    looks = [i for i, x in enumerate(steps) if x.forward_tokens > 1]
-    assert all(steps[i].forward_tokens == 3 for i in looks)
-    assert looks[0] >= EXPLORE_EVERY
-    gaps = [b - a for a, b in zip(looks, looks[1:])]
-    seen = set()
-    for k, a in enumerate(looks[:-1]):
-        found = len(steps[a].tokens) > 1
-        seen.add(found)
-        if found:
-            assert gaps[k] == EXPLORE_EVERY + 1
-        elif k > 0:  # (the first gap may include looks with no node to try: invisible here, doubled alike)
-            assert gaps[k] == min(2 * (gaps[k - 1] - 1), EXPLORE_MAX) + 1
-    assert seen == {False, True}  # both rules exercised
-    assert len(calls) <= 2 * len(looks) + EXPLORE_EVERY  # the costly source proposes only when looking again
+    assert all(x.forward_tokens == 1 and len(x.tokens) == 1 for x in steps)  # never a forward beyond plain's
+    assert len(cheap) <= 800 // CHECK_EVERY + len(calls) + 1  # the cheap sources too propose on few resting steps
+    assert max(b - a for a, b in zip(cheap, cheap[1:])) <= CHECK_EVERY  # ... but never skip more than 3 in a row
+    assert calls[:2] == [0, EXPLORE_EVERY]  # the first step (nothing has rested yet), then the first look
+    gaps = [b - a for a, b in zip(calls[1:], calls[2:])]
+    assert all(g in (EXPLORE_EVERY, min(2 * prev, EXPLORE_MAX)) for prev, g in zip([EXPLORE_EVERY] + gaps, gaps))
+    assert EXPLORE_EVERY in gaps and any(g > EXPLORE_EVERY for g in gaps)  # both rules exercised
+    assert engine.stats.tried.sum() > 150  # the rates kept being measured while resting
+
+
+def test_a_resting_steps_best_nodes_are_counted_as_verification_would_count_them(models):
+    """A shadow check counts a node tried when its parent's path equals the committed text, and accepted when its
+    own does: recomputed here from the committed tokens, node by node, it gives the stats' totals exactly."""
+    engine = _hopeless_engine(models)
+    shadows = []
+    real = engine.tree.best
+    engine.tree.best = lambda k, d: (lambda r: (shadows.append((engine.n, r)), r)[1])(real(k, d))
+    list(engine.run(400))
+    S = engine.S[: engine.n].tolist()
+    tried = hit = 0
+    for n0, (tokens, parents, depth, ranks, _) in shadows:
+        if n0 + depth[-1] > engine.n:
+            continue  # still waiting when the run ended
+        ok = [True] + [False] * (len(tokens) - 1)
+        for i in range(1, len(tokens)):
+            ok[i] = ok[parents[i]] and tokens[i] == S[n0 - 1 + depth[i]]
+            if ok[parents[i]]:
+                tried += len(ranks[i])
+                hit += len(ranks[i]) * ok[i]
+    assert tried > 60 and 0 < hit < tried
+    assert (engine.stats.tried.sum(), engine.stats.hit.sum()) == (tried, hit)
 
 
 def test_the_budget_calibration_follows_what_verification_accepts(models):
