@@ -32,10 +32,11 @@ CALIBRATION_PRIOR = 2.0  # pseudo-tokens on both sides of the calibration ratio:
 CALIBRATION_DECAY = 0.99  # per verified or shadow-checked tree: the ratio follows the last ~100 of them
 CHECK_EVERY = 4  # while resting, the cheap sources propose (and the tree is shadow-checked) every 4th step only;
 # the other resting steps are quiet: no proposals, no budget, and the recycling matrix is not updated from their
-# forward (its top-k alone costs ~0.5% of a step). Only the n-gram table keeps counting. A repetition waits at
+# forward (a top-k over the whole vocabulary each step). Only the n-gram table keeps counting. A repetition waits at
 # most 3 steps; the matrix learns on check steps and on every step once drafting pays
 EXPLORE_EVERY = 16  # steps of budget 0 after which the costly sources propose again, into a shadow check
-# ... doubled after each such look that accepts nothing, up to EXPLORE_MAX (each look costs the heads' work)
+# ... doubled after each such look where none of their drafts is accepted, up to EXPLORE_MAX (a look costs the
+# heads' work: their state update and proposals)
 EXPLORE_MAX = 128
 
 
@@ -219,7 +220,7 @@ class Engine:
                 if self.budget is None:
                     self._real = self._real * CALIBRATION_DECAY + (len(path) - 1)
                     self._pred = self._pred * CALIBRATION_DECAY + self._predicted
-            if not quiet:  # a top-k over the vocabulary costs ~0.5% of a CPU step: quiet steps skip it
+            if not quiet:  # a top-k over the whole vocabulary: quiet steps skip it
                 top = torch.topk(processed, TOPK, dim=-1).indices.cpu().numpy().astype(np.int32)
                 for src in self.sources:
                     src.after_verify(flat, top)
