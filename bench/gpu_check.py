@@ -11,8 +11,9 @@ acceptance (and so the speed of drafting) means nothing, only the kernel, the eq
 Writes OUT/gpu_check.json and OUT/gpu_check.md:
   1. the Triton tree kernel against the torch reference (max abs error; bfloat16, float16, float32);
   2. speculative (`--draft all`) against plain output, token for token, greedy and seeded sampling, in the
-     run's dtype (float32 by default: the dtype in which equality is promised), and greedy in --half-dtype
-     (bfloat16), where it is not promised: how soon it diverges there is the figure;
+     run's dtype (float32 by default) and in --half-dtype (bfloat16), where equality holds by construction if
+     the start-up check passes on this GPU (its verdict, the products' piece sizes and pads are reported; the
+     kernel table says whether every tree node got a single step's bits);
   3. CUDA graphs (--cuda-graphs): milliseconds per forward of n = 1, 2, 4 .. 64 tree nodes with and without
      graphs at two context lengths, and speculative output with graphs against plain output, token for token;
   4. tokens per second of transformers `generate`, swiftwrite `--draft none` and `--draft all` (and both with
@@ -76,9 +77,20 @@ def kernel_check(device: str) -> list[dict]:
                 anc[i] |= anc[int(torch.randint(0, i, (1,), generator=g))]
             bits = ta.ancestry_bits(anc.to(device))
             want = ta.reference(q, kc, vc, kt, vt, bits, D ** -0.5).float()
-            got = ta.tree_attention(q, kc, vc, kt, vt, bits, D ** -0.5).float()
+            tree = ta.tree_attention(q, kc, vc, kt, vt, bits, D ** -0.5)
+            # each node as a single decoding step computes it (the kernel over one node, its ancestors cached
+            # before it): exactness by construction holds on this GPU when every node has the step's bits
+            one = torch.ones(1, dtype=torch.long, device=device)
+            differ = 0
+            for i in range(n):
+                before = anc[i].nonzero().flatten()[:-1].to(device)
+                step = ta.tree_attention(q[:, i : i + 1], torch.cat([kc, kt[:, before]], 1),
+                                         torch.cat([vc, vt[:, before]], 1), kt[:, i : i + 1], vt[:, i : i + 1], one,
+                                         D ** -0.5)
+                differ += not torch.equal(step[:, 0], tree[:, i])
             rows.append({"shape": f"H{H} KV{KV} D{D} T{T} n{n}", "dtype": dtype_name(dt),
-                         "max_abs_error": float((got - want).abs().max())})
+                         "max_abs_error": float((tree.float() - want).abs().max()),
+                         "nodes_not_step_bits": differ})
     return rows
 
 
@@ -201,8 +213,12 @@ def save(report: dict, out: Path, t_start: float) -> None:
     md = [f"# GPU check, {report['date']}" + ("" if report["complete"] else " (INCOMPLETE: cut short)"), "",
           f"device {report['device']} ({report['gpu']}), torch {report['torch']}, triton {report['triton']}, "
           f"flash-attn {report['flash_attn']}; weights: {report.get('weights')}; {report['seconds']} s", "",
-          "| kernel shape | dtype | max abs error vs reference |", "|---|---|---:|",
-          *[f"| {r.get('shape')} | {r.get('dtype')} | {r.get('max_abs_error', r.get('error'))} |" for r in report["kernel"]],
+          "| kernel shape | dtype | max abs error vs reference | nodes without a step's bits |", "|---|---|---:|---:|",
+          *[f"| {r.get('shape')} | {r.get('dtype')} | {r.get('max_abs_error', r.get('error'))} | "
+            f"{r.get('nodes_not_step_bits', '-')} |" for r in report["kernel"]],
+          *([f"", f"exact {report['exact_half']['dtype']}: start-up check {report['exact_half']['check']}; "
+             f"tree rows per product piece {report['exact_half']['pieces']}; single rows padded to two "
+             f"{report['exact_half']['pads']}"] if report.get("exact_half") else []),
           "", "| equality | first divergence (None = identical) |", "|---|---|",
           *[f"| {k} ({v['tokens']} tokens) | {v['first_divergence']} |" for k, v in report["equality"].items()],
           *(["", "| context | tree nodes | plain forward ms | " + ("CUDA graph ms" if report["device"] == "cuda" else
@@ -220,8 +236,11 @@ def main():
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--half-dtype", default="bfloat16", help="also measure equality in this dtype (none: skip)")
+    ap.add_argument("--dtype", default="float32",
+                    help="the dtype of every section but the next one (float32: the dtype before exact half precision)")
+    ap.add_argument("--half-dtype", default="bfloat16",
+                    help="also check exactness and equality in this dtype, what --dtype auto takes on a GPU with "
+                         "bfloat16 (none: skip)")
     ap.add_argument("--attention", default="auto", help="auto | torch | triton | flash (CPU check: triton)")
     ap.add_argument("--cost-contexts", default="2048,16384", help="context lengths of the forward-cost table")
     ap.add_argument("--cost-sizes", default="1,2,4,8,16,32,64", help="tree sizes of the forward-cost table")
@@ -293,15 +312,29 @@ def main():
         save(report, a.out, t_start)
 
     if a.half_dtype != "none" and a.half_dtype != dtype_name(lm.model.dtype):
-        # Not a promise (see pick_device): how soon a half dtype's speculative output leaves its plain output.
+        # Promised by construction where the start-up check passes (swiftwrite/exact.py: the products' piece sizes
+        # and pads measured on this GPU, single steps and trees through the same kernel); a run whose check fails
+        # drafts nothing, so its equality would be trivial: the check's verdict goes beside the figures.
+        from swiftwrite.exact import check
+
         log(f"equality in {a.half_dtype}")
         half, _ = load(model, a.device, a.half_dtype, a.attention)
-        plain, _, _ = run_engine(half, display, prompt, a.equal_tokens, "none", settings["greedy"], 1e9, a.draft_budget)
-        spec, _, _ = run_engine(half, display, prompt, a.equal_tokens, "all", settings["greedy"], 1e9, a.draft_budget)
-        report["equality"][f"greedy in {a.half_dtype} (not promised)"] = {
-            "tokens": a.equal_tokens, "first_divergence": first_divergence(spec, plain)}
+        why = check(half.model)
+        report["exact_half"] = {"dtype": a.half_dtype, "check": why or "passed", "pieces": half.model.rows,
+                                "pads": half.model.pads, "step_kernel": half.model.gpu.tree is not None}
+        for name, s in settings.items():
+            plain, _, _ = run_engine(half, display, prompt, a.equal_tokens, "none", s, 1e9, a.draft_budget)
+            spec, _, fwd = run_engine(half, display, prompt, a.equal_tokens, "all", s, 1e9, a.draft_budget)
+            report["equality"][f"{name} in {a.half_dtype}" + ("" if why is None else " (check failed: no drafts)")] = {
+                "tokens": a.equal_tokens, "first_divergence": first_divergence(spec, plain),
+                "tokens_per_forward": round(len(spec) / fwd, 3) if fwd else None}
+            if graphs and half.model.gpu.tree is not None:
+                with graphs_on(half):
+                    spec, _, _ = run_engine(half, display, prompt, a.equal_tokens, "all", s, 1e9, a.draft_budget)
+                report["equality"][f"{name} in {a.half_dtype}, all with CUDA graphs"] = {
+                    "tokens": a.equal_tokens, "first_divergence": first_divergence(spec, plain)}
+            save(report, a.out, t_start)
         del half
-        save(report, a.out, t_start)
 
     if graphs:
         log("forward cost, plain vs CUDA graphs")

@@ -11,14 +11,21 @@ node sees only its ancestors and itself. That ancestry is passed compactly, one 
     anc      [n] int64    visibility bitmask per node
     ->       [H, n, D]    in q's dtype; scores, softmax and the weighted sum in float32
 
-GQA: query head h reads KV head h // (H // KV). One program per (query head, node) streams the cache in
-blocks with an online softmax, then adds the visible tree slots. The same code runs on a GPU and, with
-TRITON_INTERPRET=1, on the CPU, which is how CI checks it against `reference`.
+Exact by construction: a node's result is the bits a single decoding step at its place gets from this kernel.
+A node at depth d sees the sequence a step at position T + d sees: the T cached slots, then its ancestors in
+depth order, then itself. The kernel walks that sequence in blocks of BLOCK_T at absolute positions (slot t of
+a block is cache slot t for t < T, else the (t - T)-th visible tree node), so every block holds the same values
+in the same lanes as the step's block, and the blocks are folded into the online softmax in the same order with
+the same code. A single step is the same kernel with n = 1 (the node alone, bit 0). The product of a step and of
+a tree node then differ only in integer work: which address a lane loads from.
+
+GQA: query head h reads KV head h // (H // KV). One program per (query head, node). The same code runs on a GPU
+and, with TRITON_INTERPRET=1, on the CPU, which is how CI checks it against `reference` and a tree node against
+a step, bit for bit.
 """
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -68,10 +75,10 @@ if triton is not None:
 
     @triton.jit
     def _tree_attention_kernel(
-        Q, KC, VC, KT, VT, ANC, O, LEN,
-        T, N, scale,
+        Q, KC, VC, KT, VT, PATH, CNT, O, LEN,
+        T, scale,
         s_qh, s_qn, s_kch, s_kct, s_vch, s_vct, s_kth, s_ktn, s_vth, s_vtn, s_oh, s_on,
-        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, LEN_IN_MEMORY: tl.constexpr,
+        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, MAXN: tl.constexpr, LEN_IN_MEMORY: tl.constexpr,
     ):
         if LEN_IN_MEMORY:  # a captured CUDA graph: the committed length is read at replay, not baked in
             n_cached = tl.load(LEN)
@@ -82,24 +89,38 @@ if triton is not None:
         kvh = h // GROUP
         d = tl.arange(0, D)
         q = tl.load(Q + h * s_qh + i * s_qn + d).to(tl.float32) * scale
+        total = n_cached + tl.load(CNT + i)  # the step's sequence: the cache, the ancestors, the node itself
         m = tl.full([], float("-inf"), tl.float32)  # running max of the scores
         l = tl.full([], 0.0, tl.float32)  # running sum of exp(score - m)
         acc = tl.zeros([D], dtype=tl.float32)
-        for t0 in range(0, n_cached, BLOCK_T):  # the committed cache: every slot visible
+        for t0 in range(0, total, BLOCK_T):
             t = t0 + tl.arange(0, BLOCK_T)
-            ok = t < n_cached
-            k = tl.load(KC + kvh * s_kch + t[:, None] * s_kct + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            s = tl.where(ok, tl.sum(k * q[None, :], axis=1), float("-inf"))
-            v = tl.load(VC + kvh * s_vch + t[:, None] * s_vct + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            m, l, acc = _online_softmax_step(s, v, m, l, acc)
-        j = tl.arange(0, BLOCK_N)  # the tree: ancestors and the node itself
-        bits = tl.load(ANC + i)
-        ok = (j < N) & (((bits >> j.to(tl.int64)) & 1) == 1)
-        k = tl.load(KT + kvh * s_kth + j[:, None] * s_ktn + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        s = tl.where(ok, tl.sum(k * q[None, :], axis=1), float("-inf"))
-        v = tl.load(VT + kvh * s_vth + j[:, None] * s_vtn + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        m, l, acc = _online_softmax_step(s, v, m, l, acc)
+            cached = t < n_cached
+            ok = t < total
+            mine = ok & ~cached  # a slot of this node's path: its (t - n_cached)-th visible node
+            node = tl.load(PATH + i * MAXN + (t - n_cached), mask=mine, other=0)
+            k = tl.where(cached[:, None],
+                         tl.load(KC + kvh * s_kch + t[:, None] * s_kct + d[None, :], mask=cached[:, None], other=0.0),
+                         tl.load(KT + kvh * s_kth + node[:, None] * s_ktn + d[None, :], mask=mine[:, None], other=0.0))
+            s = tl.where(ok, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))
+            v = tl.where(cached[:, None],
+                         tl.load(VC + kvh * s_vch + t[:, None] * s_vct + d[None, :], mask=cached[:, None], other=0.0),
+                         tl.load(VT + kvh * s_vth + node[:, None] * s_vtn + d[None, :], mask=mine[:, None], other=0.0))
+            m, l, acc = _online_softmax_step(s, v.to(tl.float32), m, l, acc)
         tl.store(O + h * s_oh + i * s_on + d, (acc / l).to(O.dtype.element_ty))
+
+
+def ancestry_paths(anc_bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 [n] bitmasks -> (int32 [n, MAX_NODES]: row i lists the nodes i sees in index order, which is depth
+    order, since a parent precedes its children; int32 [n]: how many). Torch ops only, no host sync, so a CUDA
+    graph can capture them with the kernel."""
+    n = anc_bits.shape[0]
+    j = torch.arange(n, device=anc_bits.device)
+    seen = (anc_bits.unsqueeze(1) >> j) & 1  # bit 63 is the sign bit: the arithmetic shift still leaves it at 1
+    rank = torch.where(seen.bool(), seen.cumsum(1) - 1, MAX_NODES)  # unseen nodes go to a spare column
+    paths = torch.zeros(n, MAX_NODES + 1, dtype=torch.int64, device=anc_bits.device)
+    paths.scatter_(1, rank, j.expand(n, n).contiguous())
+    return paths[:, :MAX_NODES].to(torch.int32).contiguous(), seen.sum(1).to(torch.int32)
 
 
 def available() -> bool:
@@ -127,12 +148,12 @@ def tree_attention(q, k_cache, v_cache, k_tree, v_tree, anc_bits, scale: float, 
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     out = torch.empty_like(q)
-    block_n = max(16, 1 << math.ceil(math.log2(max(n, 1))))
+    paths, counts = ancestry_paths(anc_bits)
     _tree_attention_kernel[(H, n)](
-        q, k_cache, v_cache, k_tree, v_tree, anc_bits.contiguous(), out, length if length is not None else anc_bits,
-        T, n, scale,
+        q, k_cache, v_cache, k_tree, v_tree, paths, counts, out, length if length is not None else counts,
+        T, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         k_tree.stride(0), k_tree.stride(1), v_tree.stride(0), v_tree.stride(1), out.stride(0), out.stride(1),
-        GROUP=H // KV, D=D, BLOCK_T=block_t, BLOCK_N=block_n, LEN_IN_MEMORY=length is not None,
+        GROUP=H // KV, D=D, BLOCK_T=block_t, MAXN=MAX_NODES, LEN_IN_MEMORY=length is not None,
     )
     return out

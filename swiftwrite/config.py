@@ -77,8 +77,8 @@ class Config:
     draft_kv_budget: int = 4096  # two-pass: slots of the partial draft cache (sinks + important + recent)
     context: int = 0  # tokens the model attends to; 0 = the model's window. Past it the context is rebuilt
     device: str = "auto"  # auto | cpu | cuda
-    # auto = float32 (README "Half precision"); bfloat16/float16 write another text, and speculative output equals
-    # their own plain decoding by construction (exact.py)
+    # auto = bfloat16 on a GPU with bfloat16, float32 elsewhere (README "Half precision"); bfloat16/float16 write
+    # another text than float32, and speculative output equals their own plain decoding by construction (exact.py)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     # int8: per-channel symmetric, int4: groups of 32 asymmetric, both through torch's CPU kernels with bfloat16
     # activations (~4x / ~5x less to read per token than float32); quantized once into the model store. Not the

@@ -4,8 +4,10 @@ kernels allow it (bfloat16 and float16 weights, and the int8 / int4 kernels of q
 Speculative output equals plain output only if every tree node's logits are the bits a single step at its place
 would produce. Two things can break that: a product whose row is rounded differently among n rows than alone,
 and attention whose sums run in another order in a batch. Attention is handled in model.py (`_attend_rows`: each
-node as one query row against the cache and its own ancestors, the call a single step makes). Products are
-handled in two steps. At load, a half-precision model on a CPU finds the products whose single row rounds otherwise
+node as one query row against the cache and its own ancestors, the call a single step makes) or, where the Triton
+tree kernel runs (a GPU), by the kernel itself, through which single steps then go too (kernels/tree_attention.py:
+a node's blocks are a step's blocks). Products are handled in two steps. At load, a half-precision model finds the
+products whose single row rounds otherwise
 than the same row among others (`plan_pads`; torch's bfloat16 matmul does, for the default model's down
 projection, 1,536 inputs, while every count from 2 to 64 agrees with the row padded to two), and decoding steps
 pad their row to two there (model.linear); the other products keep the cheaper one-row call. Then, for each
@@ -25,13 +27,25 @@ from __future__ import annotations
 import torch
 
 MAX_ROWS = 64  # the largest forward a tree runs (budget.MAX_BUDGET + the root)
-_cache: dict[tuple, int | bool] = {}  # measurements per (shape, dtype, kernel, threads): 0.1-1 s each
+_cache: dict[tuple, int | bool] = {}  # measurements per (weight, dtype, kernel, threads): 0.1-1 s each
 
 
 def _mm(w, x: torch.Tensor, pad: bool = False) -> torch.Tensor:
     from .model import linear
 
     return linear(x, w, pad=pad)  # as the model computes it
+
+
+def _which(w) -> tuple:
+    """Which weight, for the measurements' cache: its address and a sample of its values. A measurement depends on
+    the values, not on the shape alone (whether a changed summation order shows in a rounded output does), and two
+    models of one shape in one process (tests) differed: keyed by shape, the second one reused the first one's
+    measurements, and its speculative output left plain decoding at token 1,204."""
+    t = w if isinstance(w, torch.Tensor) else next((v for v in vars(w).values() if isinstance(v, torch.Tensor)), None)
+    if t is None:
+        return (id(w),)
+    flat = t.reshape(-1)
+    return (t.data_ptr(), float(flat[:: max(1, flat.numel() // 4096)].float().sum()))
 
 
 def _pool(w) -> int:
@@ -50,9 +64,9 @@ def needs_pad(w, dtype: torch.dtype) -> bool:
     """True when one row multiplied alone gets other bits than the same row among two (torch's bfloat16 CPU matmul
     takes another path for one row at some shapes); then decoding steps pad their row to two. A pool of random rows
     alone against the same rows in pairs."""
-    key = ("pad", tuple(w.shape), dtype, torch.get_num_threads())
+    key = ("pad", tuple(w.shape), _which(w), dtype, str(w.device), torch.get_num_threads())
     if key not in _cache:
-        x = torch.randn(_pool(w), w.shape[1], generator=torch.Generator().manual_seed(0)).to(dtype)
+        x = torch.randn(_pool(w), w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.device, dtype)
         alone = torch.cat([_mm(w, row) for row in x.split(1)])
         _cache[key] = not torch.equal(torch.cat([_mm(w, pair) for pair in x.split(2)]), alone)
     return _cache[key]
@@ -71,12 +85,13 @@ def safe_rows(w, dtype: torch.dtype, limit: int = MAX_ROWS, pad: bool = False) -
     draws of 64 rows found the unpadded bfloat16 down projection differing from 11 and from 17 rows on; a pool
     of 256, from 2), so every count is tried on a pool of random rows cut into batches of that count: 256 rows
     (64 for a product over 4M weights, the LM head), ~150K outputs of the down projection per count."""
-    key = (tuple(w.shape), dtype, type(w).__name__, getattr(w, "setting", ""), torch.get_num_threads(), limit, pad)
+    key = (tuple(w.shape), _which(w), dtype, type(w).__name__, getattr(w, "setting", ""), str(w.device),
+           torch.get_num_threads(), limit, pad)
     if key in _cache:
         return _cache[key]
     pool = _pool(w)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(pool, w.shape[1], generator=g).to(dtype)
+    x = torch.randn(pool, w.shape[1], generator=g).to(w.device, dtype)
     alone = torch.cat([_mm(w, x[i : i + 1], pad) for i in range(pool)])
     safe = 1
     for n in range(2, limit + 1):
@@ -140,5 +155,6 @@ def tree_probe(model, prefix: int = 12) -> str | None:
 def check(model) -> str | None:
     """Set up `model` for exact trees (the product piece sizes) and check it: None, or why drafts could change the
     text on this machine."""
-    model.rows, why = plan_rows(model)
+    lean = getattr(model, "model", model)  # the LeanModel inside a graphs.GraphedModel: its static forward reads it
+    lean.rows, why = plan_rows(model)
     return why or tree_probe(model)

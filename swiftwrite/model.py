@@ -154,7 +154,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, rows
     default model 27.6 ms vs 17.3 ms, bench/dtype_cost.py), and on a GPU F.linear is cuBLAS's own path.
     A quantized weight (quant.py, --weights int8/int4) runs its own kernel.
 
-    `pad` (half precision on a CPU, for the products exact.needs_pad finds) pads one row to two as well, for
+    `pad` (half precision, for the products exact.needs_pad finds) pads one row to two as well, for
     exactness rather than speed: torch's bfloat16 matmul gives a single row other bits than the same row among
     2..64 rows for the default model's down projection (1,536 inputs), while every count from 2 up agrees, so with
     the pad a decoding step and a tree's node round alike. `rows` (a tree's forward on an exact model, exact.py):
@@ -168,9 +168,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, rows
     if not isinstance(w, torch.Tensor):
         y = w.mm(x)
         return y + b if b is not None else y
-    if x.device.type != "cpu":
-        return F.linear(x, w, b)
-    if x.dtype != torch.float32:
+    if x.device.type != "cpu" or x.dtype != torch.float32:
         return F.linear(x.repeat(2, 1), w, b)[:1] if pad and x.shape[0] == 1 else F.linear(x, w, b)
     n = x.shape[0]
     if n == 1:
@@ -361,10 +359,11 @@ class LeanModel:
                 layer["q_norm"] = get(a + "q_norm.weight")
                 layer["k_norm"] = get(a + "k_norm.weight")
             self.layers.append(layer)
-        # product -> pad single rows to two (half precision on a CPU, where one row alone rounds otherwise): fixed at
-        # load, before any step, so plain and speculative runs compute a step's row alike
+        # product -> pad single rows to two (half precision, where one row alone rounds otherwise: torch's bfloat16
+        # CPU matmul; a GPU's one-row path may too): fixed at load, before any step, so plain and speculative runs
+        # compute a step's row alike
         self.pads: dict[str, bool] = {}
-        if not quantized and self.exact_rows and self.device.type == "cpu":
+        if not quantized and self.exact_rows:
             from .exact import plan_pads
 
             self.pads = plan_pads(self)
@@ -373,6 +372,7 @@ class LeanModel:
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS} (got {attention!r})")
         self.gpu = GpuAttention(self.device, dtype, attention)
+        self._alone = torch.ones(1, dtype=torch.long, device=self.device)  # a single step's ancestry in the kernel
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.cfg, capacity, self.device, self.dtype)
@@ -415,14 +415,20 @@ class LeanModel:
             if mask.shape[1] == n and start:
                 mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=self.device), mask], dim=1)
             attn_mask = mask
-        flash = self.gpu.flash is not None and given is None and kv is None
+        tree = given is not None and kv is None and n > 1
+        # An exact model with the Triton kernel sends its single steps through the kernel too (a node alone): a
+        # tree node's attention is then the bits of a step by the kernel's construction (kernels/tree_attention.py).
+        step_kernel = self.exact_rows and self.gpu.tree is not None and kv is None and n == 1 and given is None
+        flash = self.gpu.flash is not None and given is None and kv is None and not step_kernel
         bits = None
-        if kv is None and not flash and n > 1:  # a tree, or a causal chunk when flash-attn is not there
+        if step_kernel:
+            bits = self._alone
+        elif kv is None and not flash and n > 1:  # a tree, or a causal chunk when flash-attn is not there
             bits = self.gpu.tree_bits(given if given is not None else mask[:, start:], n)
-        # A tree's rows, on an exact model, one by one (_attend_rows). Not causal chunks (prefill, rebuilds): plain
-        # and speculative runs prefill the same chunks, and row by row a chunk of n tokens would read the cache n times.
-        paths = self._row_paths(attn_mask, start, n) if self.exact_rows and given is not None and kv is None \
-            and bits is None and n > 1 else None
+        # A tree's rows, on an exact model without the kernel, one by one (_attend_rows). Not causal chunks (prefill,
+        # rebuilds): plain and speculative runs prefill the same chunks, and row by row a chunk of n tokens would
+        # read the cache n times.
+        paths = self._row_paths(attn_mask, start, n) if self.exact_rows and tree and bits is None else None
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if kv is not None:
@@ -438,16 +444,21 @@ class LeanModel:
                 return self.gpu.flash_causal(q, cache.k[li, :, :end], cache.v[li, :, :end], self.scale)
             return attention(q, cache.k[li, :, :end], cache.v[li, :, :end], attn_mask, self.scale)
 
-        if paths is not None and self.rows is None:  # measured once per product shape and process (exact.py)
+        # trees only: plain and speculative runs prefill alike
+        rows = self._exact_rows() if self.exact_rows and tree and (paths is not None or bits is not None) else None
+        # a float32 tree on a CPU: products over a faster row count (tree_rows). Trees only: single steps and
+        # prefill chunks keep their rows, so plain decoding is what it was.
+        grow = tree_rows(n) if self.pads_trees and tree else 0
+        hidden = self._layers(ids, positions, attend, rows, grow)
+        return self._logits(hidden, logits_for, rows, grow), hidden
+
+    def _exact_rows(self) -> dict[str, int]:
+        """The products' piece sizes for a tree's rows (exact.py), measured once per product shape and process."""
+        if self.rows is None:
             from .exact import plan_rows
 
             self.rows = plan_rows(self)[0]
-        rows = self.rows if paths is not None else None  # trees only: plain and speculative runs prefill alike
-        # a float32 tree on a CPU: products over a faster row count (tree_rows). Trees only: single steps and
-        # prefill chunks keep their rows, so plain decoding is what it was.
-        grow = tree_rows(n) if self.pads_trees and given is not None and kv is None and n > 1 else 0
-        hidden = self._layers(ids, positions, attend, rows, grow)
-        return self._logits(hidden, logits_for, rows, grow), hidden
+        return self.rows
 
     @staticmethod
     def _row_paths(mask: torch.Tensor, start: int, n: int) -> list[torch.Tensor | None] | None:
@@ -510,8 +521,9 @@ class LeanModel:
             o = self.gpu.tree.tree_attention(q, cache.k[li], cache.v[li], k, v, bits, self.scale, length=length)
             return o.transpose(0, 1).reshape(B, H * D)
 
-        hidden = self._layers(ids, positions, attend)
-        return self._logits(hidden, None), hidden
+        rows = self._exact_rows() if self.exact_rows else None  # a bucket's rows in pieces that keep a step's bits
+        hidden = self._layers(ids, positions, attend, rows)
+        return self._logits(hidden, None, rows), hidden
 
     def _layers(self, ids: torch.Tensor, positions: torch.Tensor, attend, rows: dict[str, int] | None = None,
                 grow: int = 0) -> torch.Tensor:

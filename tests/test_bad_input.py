@@ -323,7 +323,8 @@ def test_gpu_requests_on_a_cpu_fall_back_with_a_notice_and_the_same_text(world, 
 
 
 def test_device_and_dtype_choices(monkeypatch):
-    """auto is float32 on every device (README "Half precision"); a half dtype on request needs no warning about
+    """auto is bfloat16 on a GPU that has it and float32 elsewhere (README "Half precision"); a half dtype needs no
+    warning about
     drafting (exact.py makes it exact against its own plain decoding, or the run drafts nothing and says why); a
     pre-Ampere GPU asked for bfloat16 gets float16, a CPU asked for float16 gets float32, each with a notice.
     torch.cuda is asked, not used, so this runs anywhere."""
@@ -343,6 +344,10 @@ def test_device_and_dtype_choices(monkeypatch):
     assert pick_device(Config(device="cpu", dtype="bfloat16"), said.append) == ("cpu", torch.bfloat16)
     assert said == []
     assert pick_device(Config(device="cpu"), said.append) == ("cpu", torch.float32)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert pick_device(Config(), said.append) == ("cuda", torch.bfloat16) and said == []
+    assert pick_device(Config(device="cpu"), said.append) == ("cpu", torch.float32)
+    assert pick_device(Config(dtype="float32"), said.append) == ("cuda", torch.float32)
 
 
 def test_quantized_weights_are_refused_where_they_cannot_run(tmp_path):
@@ -444,8 +449,8 @@ def test_weights_and_kv_cache_are_checked_against_gpu_memory(monkeypatch, tmp_pa
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (80 << 30, 80 << 30))
     lm = loading.open_model(Config(model=str(path), device="cuda", attention="torch"), Said())
-    assert lm.dtype == torch.float32
-    weights = devices.weight_bytes(lm.mcfg, torch.float32)
+    assert lm.dtype == torch.bfloat16  # auto, on a GPU that computes in bfloat16
+    weights = devices.weight_bytes(lm.mcfg, lm.dtype)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (weights + 10_000, 80 << 30))
     with pytest.raises(Exception, match=r"the weights .* and the KV cache .* free on the GPU; use --context \d+ or less"):
         loading.make_window(Config(), lm, 8, Said())

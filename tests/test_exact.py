@@ -29,7 +29,7 @@ class Drifting:
     summation order with the batch), through the same entry point as the quantized kernels (`.mm`)."""
 
     def __init__(self, w: torch.Tensor, start: int):
-        self.w, self.start, self.shape, self.setting = w, start, w.shape, "drifting"
+        self.w, self.start, self.shape, self.setting, self.device = w, start, w.shape, "drifting", w.device
 
     def mm(self, x):
         y = torch.cat([torch.nn.functional.linear(row, self.w) for row in x.split(1)])  # exact rows, then the drift
@@ -66,6 +66,19 @@ def test_the_probe_finds_the_count_a_kernel_changes_its_sums_at_and_pieces_keep_
     assert not torch.equal(linear(x, w), alone)
     monkeypatch.setattr(exact, "_cache", {})  # the same shape again, another kernel
     assert exact.safe_rows(Drifting(w.w, start=2), torch.float32) == 1
+
+
+def test_measurements_are_kept_per_weight_not_per_shape(monkeypatch):
+    """Two weights of one shape whose kernels change their sums at different counts get their own piece sizes (keyed
+    by shape alone, the second reused the first's, and a tiny model's bfloat16 run left plain decoding)."""
+    monkeypatch.setattr(exact, "_cache", {})
+    g = torch.Generator().manual_seed(2)
+    a, b = (torch.randn(48, 32, generator=g) for _ in range(2))
+    real = exact._mm
+    monkeypatch.setattr(exact, "_mm", lambda w, x, pad=False: real(Drifting(w, 7 if w is a else 5), x))
+    assert (exact.safe_rows(a, torch.float32), exact.safe_rows(b, torch.float32)) == (6, 4)
+    assert exact.safe_rows(a, torch.float32) == 6  # and the same weight again is not measured again
+    assert len(exact._cache) == 2
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -24,14 +24,17 @@ def test_the_gpu_check_runs_end_to_end_on_a_cpu(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", SWIFTWRITE_HOME=str(tmp_path / "home"))  # its own cost-curve cache
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--out", str(out), "--device", "cpu",
                            "--attention", "triton", "--random-layers", "1", "--short", "8", "--long", "16",
-                           "--equal-tokens", "8", "--cost-contexts", "32", "--cost-sizes", "1,2", "--half-dtype", "none",
+                           "--equal-tokens", "8", "--cost-contexts", "32", "--cost-sizes", "1,2",
                            "--draft-budget", "4"],
                           capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["complete"] and report["weights"].startswith("RANDOM")
     assert report["attention"]["tree_kernel"] and report["kernel"][0]["max_abs_error"] < 1e-5
-    assert set(report["equality"]) == {"greedy", "greedy, all with CUDA graphs", "sample", "sample, all with CUDA graphs"}
+    assert report["kernel"][0]["nodes_not_step_bits"] == 0
+    assert set(report["equality"]) == {f"{s}{d}{g}" for s in ("greedy", "sample") for d in ("", " in bfloat16")
+                                       for g in ("", ", all with CUDA graphs")}
+    assert report["exact_half"]["check"] == "passed" and report["exact_half"]["step_kernel"]
     assert all(v["first_divergence"] is None for v in report["equality"].values())
     assert [(r["context"], r["nodes"]) for r in report["forward_cost"]] == [(32, 1), (32, 2)]
     assert [(r["method"], r["target_tokens"]) for r in report["speed"]] == [
@@ -40,4 +43,5 @@ def test_the_gpu_check_runs_end_to_end_on_a_cpu(tmp_path):
     assert all(r["tokens"] == r["target_tokens"] for r in report["speed"])
     md = (out / "gpu_check.md").read_text()
     assert "RANDOM" in md and "uncaptured: no CUDA" in md and "INCOMPLETE" not in md
+    assert "exact bfloat16: start-up check passed" in md
     assert not (out / "work").exists()  # the random model is removed

@@ -130,12 +130,17 @@ SETTINGS = {
 
 
 @pytest.fixture(scope="module")
-def sharp(tmp_path_factory):
+def sharp_path(tmp_path_factory):
     # two query heads over one KV head: the kernel's interpreter runs one program per (head, node), serially
     path, _ = sharpened_tiny_model("llama", 4.0, seed=0, out_dir=tmp_path_factory.mktemp("sharp"), vocab_size=128,
                                    max_position_embeddings=2048, num_attention_heads=2, num_key_value_heads=1,
                                    head_dim=32)
-    return load_lean(path), load_lean(path, attention="triton")
+    return path
+
+
+@pytest.fixture(scope="module")
+def sharp(sharp_path):
+    return load_lean(sharp_path), load_lean(sharp_path, attention="triton")
 
 
 def run(model, settings, drafts, n, context=2048, budget=None):
@@ -162,3 +167,65 @@ def test_speculative_through_the_static_forward_equals_plain_decoding(sharp, set
     assert n - len(steps) >= 0.1 * n, "too few accepted drafts for the comparison to mean much"
     assert g.replays >= len(steps)  # every step, plus the short last chunk of each rebuild's prefill
     assert {1, 8} <= set(g._buckets)  # single steps and 7-node trees padded to 8
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bfloat16 with the kernel: exact by construction (single steps and trees through the same kernel)
+
+
+@pytest.fixture(scope="module")
+def kernel_bf16(sharp_path):
+    return load_lean(sharp_path, dtype=torch.bfloat16, attention="triton")
+
+
+def test_in_bfloat16_a_trees_nodes_get_the_logits_and_kv_of_single_steps_through_the_kernel(kernel_bf16, monkeypatch):
+    """A 17-node random tree after a 30-token prefill: each node's logits and the K/V it writes in every layer are
+    the bits its path decoded one token at a time gives, and both the steps and the tree ran the Triton kernel."""
+    from kernels import tree_attention as ta
+
+    model = kernel_bf16
+    calls = []
+    real = ta.tree_attention
+    monkeypatch.setattr(ta, "tree_attention", lambda *a, **k: (calls.append(a[0].shape[1]), real(*a, **k))[1])
+    ids = torch.randint(3, 128, (30,), generator=torch.Generator().manual_seed(2))
+    n = 17
+    anc = torch.eye(n, dtype=torch.bool)
+    depth = torch.zeros(n, dtype=torch.long)
+    g = torch.Generator().manual_seed(3)
+    for i in range(1, n):
+        parent = int(torch.randint(0, i, (1,), generator=g))
+        anc[i] |= anc[parent]
+        depth[i] = depth[parent] + 1
+    tokens = torch.randint(3, 128, (n,), generator=g)
+    cache = model.new_cache(64)
+    model.forward(ids, torch.arange(30), cache)
+    cache.length = 30
+    tree_logits, _ = model.forward(tokens, 30 + depth, cache, mask=anc)
+    tree_k, tree_v = cache.k[:, :, 30 : 30 + n].clone(), cache.v[:, :, 30 : 30 + n].clone()
+    calls.clear()
+    for i in range(n):
+        cache.length = 30
+        for j in anc[i].nonzero().flatten().tolist():
+            logits, _ = model.forward(tokens[j : j + 1], 30 + depth[j : j + 1], cache)
+            cache.length += 1
+        assert torch.equal(logits[0], tree_logits[i]), f"node {i}: logits"
+        assert torch.equal(cache.k[:, :, cache.length - 1], tree_k[:, :, i]), f"node {i}: keys"
+        assert torch.equal(cache.v[:, :, cache.length - 1], tree_v[:, :, i]), f"node {i}: values"
+    assert calls and set(calls) == {1}  # every single step's attention was the kernel's, one node
+
+
+def test_in_bfloat16_speculative_through_the_static_forward_and_the_kernel_equals_plain_decoding(kernel_bf16):
+    """Recycling + n-gram drafts, budget 6 (trees padded to buckets, products in the measured pieces), an 88-token
+    window (rebuilds), sampled, against the same model's plain decoding (single steps through the kernel).
+
+    This and the test above pass with the kernel before it was built on the step's plan too (the cache, then the
+    tree as its own block), measured: on this tiny model a bfloat16 output rounds the float32 differences away.
+    The op-level float32 tests (test_kernels.py) are the ones that fail it; these check the wiring."""
+    n = 120
+    want, _ = run(kernel_bf16, SETTINGS["sample"], (), n, context=88)
+    got, steps = run(GraphedModel(kernel_bf16, capture=False), SETTINGS["sample"], ("recycling", "ngram"), n,
+                     context=88, budget=6)
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    assert first is None and len(got) == n, f"differs from plain decoding at token {first}"
+    assert sum(s.rebuilt for s in steps) >= 1
+    assert n - len(steps) >= 0.1 * n, "too few accepted drafts for the comparison to mean much"

@@ -117,11 +117,12 @@ from kernels import tree_attention as ta
 
 k = ta._tree_attention_kernel
 names = list(inspect.signature(k.fn).parameters)
-consts = {"GROUP": 3, "D": 64, "BLOCK_T": 64, "BLOCK_N": 16}
+consts = {"GROUP": 3, "D": 64, "BLOCK_T": 64, "MAXN": 64}
 for arch in (80, 90):
     for dt in ("fp32", "bf16", "fp16"):
         for len_in_memory in (False, True):
-            sig = {n: ("*" + dt if n in ("Q", "KC", "VC", "KT", "VT", "O") else "*i64" if n in ("ANC", "LEN")
+            sig = {n: ("*" + dt if n in ("Q", "KC", "VC", "KT", "VT", "O") else "*i32" if n in ("PATH", "CNT")
+                       else "*i64" if n == "LEN"
                        else "fp32" if n == "scale" else "constexpr" if n in (*consts, "LEN_IN_MEMORY") else "i32")
                    for n in names}
             cx = {(names.index(c),): v for c, v in {**consts, "LEN_IN_MEMORY": len_in_memory}.items()}
@@ -145,3 +146,70 @@ def test_the_kernel_compiles_to_gpu_code_for_ampere_and_hopper():
         pytest.skip("this triton has no ptxas to compile with")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("ok") == 12
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Exact by construction: a tree node's attention is the bits of a single step (the same kernel, n = 1)
+
+
+def step_and_tree(dtype, T: int, n: int = 64, seed: int = 0):
+    """A random n-node tree after T cached slots (two query heads over one KV head): its inputs, and for every
+    node the kernel's result as a single decoding step at its place computes it: one query against the cache
+    followed by the node's ancestors, in depth order, as plain decoding would have cached them."""
+    g = torch.Generator().manual_seed(seed + T)
+    H, KV, D = 2, 1, 16
+    anc = random_tree(n, g)
+    q = torch.randn(H, n, D, generator=g).to(dtype)
+    kc, vc = (torch.randn(KV, T, D, generator=g).to(dtype) for _ in range(2))
+    kt, vt = (torch.randn(KV, n, D, generator=g).to(dtype) for _ in range(2))
+    steps = []
+    one = torch.ones(1, dtype=torch.long)
+    for i in range(n):
+        before = anc[i].nonzero().flatten()[:-1]
+        k, v = torch.cat([kc, kt[:, before]], 1), torch.cat([vc, vt[:, before]], 1)
+        steps.append(ta.tree_attention(q[:, i : i + 1], k, v, kt[:, i : i + 1], vt[:, i : i + 1], one, D ** -0.5,
+                                       block_t=16)[:, 0])
+    return (q, kc, vc, kt, vt, anc), torch.stack(steps, 1)
+
+
+@pytest.mark.parametrize("T", [15, 16, 17], ids=lambda T: f"cache{T}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_every_tree_node_gets_the_bits_of_a_single_step_at_any_tree_size(dtype, T):
+    """Trees of 1..64 nodes (prefixes of one random tree: each is a tree) after caches that end before, on and
+    after a block boundary (blocks of 16; with the nodes' depths the steps' sequences end on every side of the
+    next boundaries too): every node's output is bit-equal to the step's. The float32 cases are the strict ones:
+    the kernel before this plan (the cache, then the tree as one block of its own) passed the bfloat16 cases, whose
+    output rounds most float32 differences away, and failed every float32 case at 2 nodes."""
+    (q, kc, vc, kt, vt, anc), steps = step_and_tree(dtype, T)
+    for n in (1, 2, 3, 5, 16, 17, 33, 64):
+        got = ta.tree_attention(q[:, :n], kc, vc, kt[:, :n], vt[:, :n], ta.ancestry_bits(anc[:n, :n]), 16 ** -0.5,
+                                block_t=16)
+        differ = [i for i in range(n) if not torch.equal(got[:, i], steps[:, i])]
+        assert differ == [], f"{n} nodes: nodes {differ} differ from their single steps"
+
+
+def test_the_step_comparison_catches_batched_attention_and_another_fold():
+    """Negative controls for the test above, on the same inputs: stock scaled-dot-product attention over the
+    whole tree (a mask, all rows in one call) and the kernel folding the sequence in other blocks both give
+    some node other bits than its step, so bit-equality there is not a property any correct attention has. In
+    float32: the kernel sums in float32 either way, and a bfloat16 output rounds most such differences away."""
+    (q, kc, vc, kt, vt, anc), steps = step_and_tree(torch.float32, 17)
+    n = anc.shape[0]
+    mask = torch.cat([torch.ones(n, kc.shape[1], dtype=torch.bool), anc], dim=1)
+    stock = torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(0), torch.cat([kc, kt], 1).repeat(2, 1, 1).unsqueeze(0),
+        torch.cat([vc, vt], 1).repeat(2, 1, 1).unsqueeze(0), attn_mask=mask, scale=16 ** -0.5)[0]
+    assert (stock - steps).abs().max() < 1e-5  # the same attention...
+    assert not torch.equal(stock, steps)  # ...in other bits
+    other = ta.tree_attention(q, kc, vc, kt, vt, ta.ancestry_bits(anc), 16 ** -0.5, block_t=32)
+    assert not torch.equal(other, steps)
+
+
+def test_ancestry_paths_list_each_nodes_path_in_depth_order():
+    anc = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    paths, counts = ta.ancestry_paths(ta.ancestry_bits(anc))
+    assert counts.tolist() == [1, 2, 2, 3]
+    assert [p[:c].tolist() for p, c in zip(paths, counts)] == [[0], [0, 1], [0, 2], [0, 2, 3]]
+    chain = torch.ones(64, 64, dtype=torch.bool).tril()  # all 64 bits, the last one the sign bit
+    paths, counts = ta.ancestry_paths(ta.ancestry_bits(chain))
+    assert counts[63] == 64 and paths[63].tolist() == list(range(64))
