@@ -547,12 +547,18 @@ class LeanModel:
                 q = rms_norm(q, L["q_norm"], cfg.rms_eps)
                 k = rms_norm(k, L["k_norm"], cfg.rms_eps)
             o = attend(li, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
-            x = x + linear(o, L["wo"], L["bo"], r.get("wo"), pad.get("wo", False), grow)
+            x = x + self.reduce(linear(o, L["wo"], L["bo"], r.get("wo"), pad.get("wo", False), grow))
             h = rms_norm(x, L["post_norm"], cfg.rms_eps)
             gu = linear(h, L["w_gate_up"], L["b_gate_up"], r.get("w_gate_up"), pad.get("w_gate_up", False), grow)
-            x = x + linear(F.silu(gu[:, :inter]) * gu[:, inter:], L["w_down"], L["b_down"], r.get("w_down"),
-                           pad.get("w_down", False), grow)
+            x = x + self.reduce(linear(F.silu(gu[:, :inter]) * gu[:, inter:], L["w_down"], L["b_down"], r.get("w_down"),
+                                       pad.get("w_down", False), grow))
         return x
+
+    @staticmethod
+    def reduce(y: torch.Tensor) -> torch.Tensor:
+        """The sum of a row-split product's partial results over the ranks of a tensor-parallel model (parallel.py):
+        one process holds the whole product, so its partial result is the sum."""
+        return y
 
     def _logits(self, hidden: torch.Tensor, logits_for, rows: dict[str, int] | None = None, grow: int = 0) -> torch.Tensor:
         h = hidden if logits_for is None else hidden[logits_for]

@@ -1,0 +1,187 @@
+"""Tensor parallelism over torch.distributed: one model split across N processes (gloo on CPUs, NCCL on GPUs).
+
+Megatron-style: each rank holds 1/N of the attention heads (their q/k/v rows, their KV heads and so 1/N of the
+KV cache) and 1/N of the MLP's intermediate columns (gate/up rows); the output and down projections are split by
+their input columns, each rank computes a partial sum, and one all-reduce per product adds them (the bias is kept
+by rank 0 alone, so it is added once). Norms, RoPE, the embedding table and the LM head are replicated: every rank
+then holds the same hidden state after each all-reduce and computes the same logits, with no further collective.
+A model whose heads, KV heads or intermediate size do not divide by N is refused with a sentence (no replication).
+
+One process decides. The leader (rank 0) runs the engine as in one process: drafting, sampling, the window and
+the cache's bookkeeping. Its model is a `Leader`, which sends every forward (ids, positions, mask, committed
+length) and every cache operation (a new cache, an accepted path's compaction) to the followers before running
+its own share; the followers (`follow`) run the same forwards on their shards and keep their caches in step, and
+nothing else. So every rank verifies the same tree, and the decision is the leader's alone.
+
+Exactness: speculative output under N ranks equals plain decoding under N ranks, by the same argument as in one
+process (the forward a tree node gets is the one a step gets, up to the row-count rounding of float32 products;
+exact.py covers the half dtypes). Against one process the partial sums are added in another order, so the text
+agrees only as long as no near-tie meets those last bits (measured in tests/test_parallel.py).
+
+Not built yet (issue "Past one device"): the command line (`--tp`, torchrun), loading only a rank's shard from
+disk (each rank reads the whole checkpoint and keeps its shard), run directories and resume under N ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from .errors import UserError
+from .model import KVCache, LeanModel, ModelConfig
+
+# what the leader sends, as the first word of a header
+FORWARD, NEW_CACHE, COMPACT, STOP = range(4)
+HEADER = 5  # op, cache id, n (tokens, kept slots or capacity), committed length or compaction start, mask columns
+
+
+def check_divides(cfg: ModelConfig, world: int) -> None:
+    """One sentence when `cfg` cannot be split over `world` ranks."""
+    for what, count in (("attention heads", cfg.n_heads), ("KV heads", cfg.n_kv_heads),
+                        ("MLP columns", cfg.intermediate_size)):
+        if count % world:
+            raise UserError(f"the model's {count} {what} do not divide by {world} ranks; use a tensor-parallel "
+                            f"degree that divides {cfg.n_heads} query heads, {cfg.n_kv_heads} KV heads and "
+                            f"{cfg.intermediate_size} MLP columns.")
+
+
+def shard(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int, world: int) -> tuple[ModelConfig, dict]:
+    """This rank's configuration (1/world of the heads, KV heads and MLP columns) and weights, under the names the
+    lean forward reads."""
+    check_divides(cfg, world)
+    H, KV, D, inter = cfg.n_heads // world, cfg.n_kv_heads // world, cfg.head_dim, cfg.intermediate_size // world
+    rows = {"q_proj": H * D, "k_proj": KV * D, "v_proj": KV * D, "gate_proj": inter, "up_proj": inter}
+    cols = {"o_proj": H * D, "down_proj": inter}
+    out = {}
+    for name, t in weights.items():
+        kind = name.split(".")[-2] if name.count(".") >= 2 else ""
+        if kind in rows:  # column-parallel: this rank's output rows (and bias)
+            out[name] = t[rank * rows[kind] : (rank + 1) * rows[kind]].contiguous()
+        elif kind in cols and name.endswith(".weight"):  # row-parallel: this rank's input columns
+            out[name] = t[:, rank * cols[kind] : (rank + 1) * cols[kind]].contiguous()
+        elif kind in cols:  # a row-parallel product's bias: added once, by rank 0, before the sum
+            if rank == 0:
+                out[name] = t
+        else:  # norms, the embedding table, the LM head: replicated
+            out[name] = t
+    return replace(cfg, n_heads=H, n_kv_heads=KV, intermediate_size=inter), out
+
+
+class ShardedModel(LeanModel):
+    """A LeanModel over one rank's shard: its row-split products end in an all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict, rank: int, world: int, group=None, **kw):
+        local, mine = shard(cfg, weights, rank, world)
+        super().__init__(local, mine, **kw)
+        self.full_cfg, self.rank, self.world, self.group = cfg, rank, world, group
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        # contiguous: the float32 CPU product of one row is a transposed view (model.linear), and the collective
+        # sums a buffer, not a view's strides
+        y = y.contiguous()
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
+class _LeaderCache(KVCache):
+    """The leader's cache: its compactions are sent to the followers, which mirror them on their own caches."""
+
+    def __init__(self, leader: "Leader", ident: int, cfg, capacity, device, dtype):
+        super().__init__(cfg, capacity, device, dtype)
+        self.leader, self.ident = leader, ident
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        self.leader._send(COMPACT, self.ident, keep.numel(), start)
+        dist.broadcast(keep.to(torch.int64).cpu().contiguous(), 0, group=self.leader.model.group)
+        super().compact(start, keep)
+
+
+class Leader:
+    """Rank 0's model: the engine's interface (forward, new_cache, cfg ...), each call sent to the followers first."""
+
+    def __init__(self, model: ShardedModel):
+        if model.rank != 0:
+            raise ValueError("only rank 0 leads")
+        self.model = model
+        self._caches = 0
+
+    def __getattr__(self, name):  # device, dtype, lm_head, embed ...: the shard's
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.full_cfg  # what the sources and samplers see: the whole model's vocabulary and shapes
+
+    def _send(self, op: int, ident: int = 0, n: int = 0, length: int = 0, mask_cols: int = 0):
+        dist.broadcast(torch.tensor([op, ident, n, length, mask_cols], dtype=torch.int64), 0, group=self.model.group)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        self._caches += 1
+        self._send(NEW_CACHE, self._caches, capacity)
+        m = self.model
+        return _LeaderCache(self, self._caches, m.cfg, capacity, m.device, m.dtype)
+
+    def forward(self, ids, positions, cache, mask=None, logits_for=None, kv=None):
+        if kv is not None:
+            raise ValueError("draft forwards over a partial cache (the heads' two-pass mode) are not tensor-parallel")
+        n = ids.shape[0]
+        cols = 0 if mask is None else mask.shape[1]
+        self._send(FORWARD, cache.ident, n, cache.length, cols)
+        group = self.model.group
+        dist.broadcast(ids.to(torch.int64).cpu().contiguous(), 0, group=group)
+        dist.broadcast(positions.to(torch.int64).cpu().contiguous(), 0, group=group)
+        if mask is not None:
+            dist.broadcast(mask.to(torch.uint8).cpu().contiguous(), 0, group=group)
+        return self.model.forward(ids, positions, cache, mask, logits_for)
+
+    def stop(self) -> None:
+        """Release the followers: their `follow` returns."""
+        self._send(STOP)
+
+
+def load_sharded(model_dir, rank: int, world: int, group=None, device="cpu", dtype=torch.float32) -> ShardedModel:
+    """This rank's shard of a safetensors model directory (read whole, then cut: see the module's "Not built yet")."""
+    from .model import load_safetensors_dir, read_hf_config
+
+    cfg = ModelConfig.from_hf(read_hf_config(model_dir))
+    check_divides(cfg, world)
+    return ShardedModel(cfg, load_safetensors_dir(model_dir), rank, world, group, device=device, dtype=dtype)
+
+
+def follow(model: ShardedModel) -> int:
+    """A follower's whole life: run what the leader sends until it stops. Returns the forwards run."""
+    group = model.group
+    caches: dict[int, KVCache] = {}
+    header = torch.empty(HEADER, dtype=torch.int64)
+    forwards = 0
+    none = slice(0, 0)  # a follower needs no logits: the leader samples
+    while True:
+        dist.broadcast(header, 0, group=group)
+        op, ident, n, length, cols = header.tolist()
+        if op == STOP:
+            return forwards
+        if op == NEW_CACHE:
+            caches[ident] = model.new_cache(n)
+        elif op == COMPACT:
+            keep = torch.empty(n, dtype=torch.int64)
+            dist.broadcast(keep, 0, group=group)
+            caches[ident].compact(length, keep.to(model.device))
+        elif op == FORWARD:
+            ids, pos = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+            dist.broadcast(ids, 0, group=group)
+            dist.broadcast(pos, 0, group=group)
+            mask = None
+            if cols:
+                m = torch.empty(n, cols, dtype=torch.uint8)
+                dist.broadcast(m, 0, group=group)
+                mask = m.bool().to(model.device)
+            cache = caches[ident]
+            cache.length = length
+            model.forward(ids.to(model.device), pos.to(model.device), cache, mask, logits_for=none)
+            forwards += 1
+        else:
+            raise RuntimeError(f"unknown tensor-parallel operation {op}")

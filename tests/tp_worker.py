@@ -1,0 +1,37 @@
+"""One rank of the tensor-parallel tests (test_parallel.py), started by torch.multiprocessing.spawn: rank 0 leads
+the engine through the jobs and writes their tokens; the other ranks follow."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+
+from swiftwrite.parallel import Leader, follow, load_sharded
+from tiny_lossless import SETTINGS, generate
+
+
+def run(model, setting: str, drafts: list[str], n: int, budget: int = 6) -> dict:
+    """tiny_lossless.generate, as JSON: the tokens, the steps they took and the context rebuilds among them."""
+    tokens, steps = generate(model, SETTINGS[setting], drafts, n=n, budget=budget)
+    return {"tokens": tokens, "steps": len(steps), "rebuilds": sum(s.rebuilt for s in steps)}
+
+
+def worker(rank: int, world: int, init_file: str, model_dir: str, out_file: str, jobs: list) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = load_sharded(model_dir, rank, world)
+        if rank:
+            follow(model)
+            return
+        leader = Leader(model)
+        try:
+            results = {name: run(leader, *job) for name, job in jobs}
+        finally:
+            leader.stop()
+        with open(out_file, "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
