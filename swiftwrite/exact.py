@@ -7,11 +7,10 @@ and attention whose sums run in another order in a batch. Attention is handled i
 node as one query row against the cache and its own ancestors, the call a single step makes) or, where the Triton
 tree kernel runs (a GPU), by the kernel itself, through which single steps then go too (kernels/tree_attention.py:
 a node's blocks are a step's blocks). Products are handled in two steps. At load, a half-precision model finds the
-products whose single row rounds otherwise
-than the same row among others (`plan_pads`; torch's bfloat16 matmul does, for the default model's down
-projection, 1,536 inputs, while every count from 2 to 64 agrees with the row padded to two), and decoding steps
-pad their row to two there (model.linear); the other products keep the cheaper one-row call. Then, for each
-product shape, the largest row count up to which every count gives each row the bits it has in a step (64 for
+products whose single row rounds otherwise than the same row among others (`plan_pads`; measured on the model's
+device: torch's bfloat16 CPU matmul does, for the default model's down projection, 1,536 inputs, while every
+count from 2 to 64 agrees with the row padded to two), and decoding steps pad their row to two there
+(model.linear); the other products keep the cheaper one-row call. Then, for each product, the largest row count up to which every count gives each row the bits it has in a step (64 for
 every product of the default model in bfloat16 and under int8 / int4 on this development machine); a tree's
 rows go through a product in pieces of at most that count. In float32 the matmul changes a row's bits from 4
 rows on for every shape, so pieces of 3 would read the weights five times per 16-node tree: float32 trees stay
