@@ -58,7 +58,7 @@ def log(msg: str) -> None:
 
 
 def kernel_check(device: str) -> list[dict]:
-    from kernels import tree_attention as ta
+    from swiftwrite.kernels import tree_attention as ta
 
     if not ta.available():
         return [{"error": "triton is not installed"}]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.tree_attention import MAX_NODES, ancestry_bits
+from .kernels.tree_attention import MAX_NODES, ancestry_bits
 
 from .model import KVCache, LeanModel, check_positions
 

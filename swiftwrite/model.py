@@ -206,7 +206,7 @@ def attention_plan(choice: str, device_type: str, dtype: torch.dtype) -> tuple[b
     notes: list[str] = []
     tree = flash = False
     if choice == "triton" or (choice != "torch" and device_type == "cuda"):
-        from kernels import tree_attention as ta  # imports triton, if installed: not done on a CPU unasked
+        from .kernels import tree_attention as ta  # imports triton, if installed: not done on a CPU unasked
 
         # the kernel runs on a GPU, or on the CPU inside Triton's interpreter (how the tests run it)
         tree = ta.available() and (device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
@@ -239,7 +239,7 @@ class GpuAttention:
         self.tree = self.flash = None
         tree, flash, self.notes = attention_plan(choice, device.type, dtype)
         if tree:
-            from kernels import tree_attention
+            from .kernels import tree_attention
 
             self.tree = tree_attention
         if flash:
@@ -507,7 +507,7 @@ class LeanModel:
         """A tree of B nodes (padded by the caller) with every size and address fixed, so that one call can be
         captured in a CUDA graph and replayed at any step (graphs.py): the committed length is the one-element
         tensor `length`, the new K/V go to slots length .. length+B-1 by an indexed copy, the tree's visibility is
-        `bits` (int64 [B], kernels.tree_attention.ancestry_bits) and the Triton kernel reads only the committed
+        `bits` (int64 [B], kernels/tree_attention.py: ancestry_bits) and the Triton kernel reads only the committed
         slots. Returns logits [B, vocab] (float32) and hidden [B, hidden]. Needs the Triton tree kernel."""
         if self.gpu.tree is None:
             raise RuntimeError("forward_static needs the Triton tree kernel (a CUDA GPU, or TRITON_INTERPRET=1)")

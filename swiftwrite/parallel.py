@@ -94,7 +94,7 @@ class _LeaderCache(KVCache):
 
     def compact(self, start: int, keep: torch.Tensor) -> None:
         self.leader._send(COMPACT, self.ident, keep.numel(), start)
-        dist.broadcast(keep.to(torch.int64).cpu().contiguous(), 0, group=self.leader.model.group)
+        self.leader._tensor(keep)
         super().compact(start, keep)
 
 
@@ -117,7 +117,11 @@ class Leader:
         return self.model.full_cfg  # what the sources and samplers see: the whole model's vocabulary and shapes
 
     def _send(self, op: int, ident: int = 0, n: int = 0, length: int = 0, mask_cols: int = 0):
-        dist.broadcast(torch.tensor([op, ident, n, length, mask_cols], dtype=torch.int64), 0, group=self.model.group)
+        self._tensor(torch.tensor([op, ident, n, length, mask_cols]))
+
+    def _tensor(self, t: torch.Tensor) -> None:
+        """Send `t` to the followers as int64 on the model's device (NCCL moves CUDA tensors only, gloo CPU ones)."""
+        dist.broadcast(t.to(self.model.device, torch.int64).contiguous(), 0, group=self.model.group)
 
     def new_cache(self, capacity: int) -> KVCache:
         self._caches += 1
@@ -131,11 +135,10 @@ class Leader:
         n = ids.shape[0]
         cols = 0 if mask is None else mask.shape[1]
         self._send(FORWARD, cache.ident, n, cache.length, cols)
-        group = self.model.group
-        dist.broadcast(ids.to(torch.int64).cpu().contiguous(), 0, group=group)
-        dist.broadcast(positions.to(torch.int64).cpu().contiguous(), 0, group=group)
+        self._tensor(ids)
+        self._tensor(positions)
         if mask is not None:
-            dist.broadcast(mask.to(torch.uint8).cpu().contiguous(), 0, group=group)
+            self._tensor(mask)
         return self.model.forward(ids, positions, cache, mask, logits_for)
 
     def stop(self) -> None:
@@ -154,34 +157,29 @@ def load_sharded(model_dir, rank: int, world: int, group=None, device="cpu", dty
 
 def follow(model: ShardedModel) -> int:
     """A follower's whole life: run what the leader sends until it stops. Returns the forwards run."""
-    group = model.group
     caches: dict[int, KVCache] = {}
-    header = torch.empty(HEADER, dtype=torch.int64)
     forwards = 0
     none = slice(0, 0)  # a follower needs no logits: the leader samples
+
+    def receive(*shape: int) -> torch.Tensor:
+        t = torch.empty(*shape, dtype=torch.int64, device=model.device)
+        dist.broadcast(t, 0, group=model.group)
+        return t
+
     while True:
-        dist.broadcast(header, 0, group=group)
-        op, ident, n, length, cols = header.tolist()
+        op, ident, n, length, cols = receive(HEADER).tolist()
         if op == STOP:
             return forwards
         if op == NEW_CACHE:
             caches[ident] = model.new_cache(n)
         elif op == COMPACT:
-            keep = torch.empty(n, dtype=torch.int64)
-            dist.broadcast(keep, 0, group=group)
-            caches[ident].compact(length, keep.to(model.device))
+            caches[ident].compact(length, receive(n))
         elif op == FORWARD:
-            ids, pos = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
-            dist.broadcast(ids, 0, group=group)
-            dist.broadcast(pos, 0, group=group)
-            mask = None
-            if cols:
-                m = torch.empty(n, cols, dtype=torch.uint8)
-                dist.broadcast(m, 0, group=group)
-                mask = m.bool().to(model.device)
+            ids, pos = receive(n), receive(n)
+            mask = receive(n, cols).bool() if cols else None
             cache = caches[ident]
             cache.length = length
-            model.forward(ids.to(model.device), pos.to(model.device), cache, mask, logits_for=none)
+            model.forward(ids, pos, cache, mask, logits_for=none)
             forwards += 1
         else:
             raise RuntimeError(f"unknown tensor-parallel operation {op}")

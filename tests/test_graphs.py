@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="the static forward uses the Triton tree kernel (pip install -e '.[test]')")
 
-from kernels.tree_attention import ancestry_bits  # noqa: E402
+from swiftwrite.kernels.tree_attention import ancestry_bits  # noqa: E402
 from swiftwrite.engine import Engine, make_sources  # noqa: E402
 from swiftwrite.graphs import BUCKETS, GraphedModel, bucket_for  # noqa: E402
 from swiftwrite.model import load_lean  # noqa: E402
@@ -181,7 +181,7 @@ def kernel_bf16(sharp_path):
 def test_in_bfloat16_a_trees_nodes_get_the_logits_and_kv_of_single_steps_through_the_kernel(kernel_bf16, monkeypatch):
     """A 17-node random tree after a 30-token prefill: each node's logits and the K/V it writes in every layer are
     the bits its path decoded one token at a time gives, and both the steps and the tree ran the Triton kernel."""
-    from kernels import tree_attention as ta
+    from swiftwrite.kernels import tree_attention as ta
 
     model = kernel_bf16
     calls = []

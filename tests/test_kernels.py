@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="the tree kernel needs triton (pip install -e '.[test]')")
 
-from kernels import tree_attention as ta  # noqa: E402
+from swiftwrite.kernels import tree_attention as ta  # noqa: E402
 from swiftwrite.model import attention, load_lean  # noqa: E402
 from swiftwrite.tree import DraftTree  # noqa: E402
 from tiny import tiny_hf_model  # noqa: E402
@@ -113,7 +113,7 @@ import inspect, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import tree_attention as ta
+from swiftwrite.kernels import tree_attention as ta
 
 k = ta._tree_attention_kernel
 names = list(inspect.signature(k.fn).parameters)

@@ -28,6 +28,7 @@ def test_the_wheel_ships_the_templates_and_an_installed_copy_finds_them(tmp_path
         assert f"swiftwrite/templates/{template}.txt" in names
     assert any(n.startswith("swiftwrite/heads/") and n.endswith(".safetensors") for n in names)
     assert "swiftwrite/models.yaml" in names
+    assert "swiftwrite/kernels/tree_attention.py" in names and not any(n.startswith("kernels/") for n in names)
 
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as zf:  # a wheel is a zip laid out as site-packages: unpacking it installs it
@@ -35,6 +36,7 @@ def test_the_wheel_ships_the_templates_and_an_installed_copy_finds_them(tmp_path
     # -I: no PYTHONPATH, no current directory on the path; the unpacked copy goes first, ahead of this
     # environment's own (editable) swiftwrite, and the probe checks which one it imported
     probe = (f"import sys; sys.path.insert(0, {str(site)!r}); import swiftwrite, swiftwrite.prompt as p; "
+             "import swiftwrite.kernels.tree_attention as k; assert k.__file__.startswith(swiftwrite.__path__[0]); "
              "print(swiftwrite.__file__); print(p.apply_template('THE BRIEF', 'novel')); "
              "print(p.apply_template('THE BRIEF', 'report'))")
     r = subprocess.run([sys.executable, "-I", "-c", probe], cwd=tmp_path, capture_output=True, text=True)
@@ -43,3 +45,19 @@ def test_the_wheel_ships_the_templates_and_an_installed_copy_finds_them(tmp_path
     assert lines[0].startswith(str(site)), f"imported {lines[0]}, not the installed copy"
     assert r.stdout.count("THE BRIEF") == 2
     assert (ROOT / "prompts" / "novel.txt").read_text().split("{brief}")[0].strip() in r.stdout
+
+
+def test_a_checkouts_kernels_do_not_shadow_hugging_faces_kernels_package(tmp_path):
+    """transformers 5.25 requires and imports Hugging Face's `kernels` package (`from kernels import CUDAProperties`).
+    Our kernels/ once was a top-level package of that name, and with a checkout's root on the path (`python -m`
+    from it, the bench scripts) it shadowed theirs: every transformers model class failed to import. Now, with the
+    root first on the path and a stand-in for theirs after it, `kernels` is theirs and ours is swiftwrite.kernels."""
+    theirs = tmp_path / "site" / "kernels"
+    theirs.mkdir(parents=True)
+    (theirs / "__init__.py").write_text("CUDAProperties = 'theirs'\n")
+    probe = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(tmp_path / 'site')!r}]; "
+             "from kernels import CUDAProperties; import swiftwrite.kernels.tree_attention as k; "
+             "print(CUDAProperties, k.MAX_NODES)")
+    r = subprocess.run([sys.executable, "-I", "-c", probe], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["theirs", "64"]
