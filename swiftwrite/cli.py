@@ -13,7 +13,8 @@ from typing import Optional
 
 import typer
 
-from .errors import UsageError, UserError
+from . import ranks
+from .errors import RankLost, UsageError, UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Write long documents with a local language model, faster, token for token unchanged.")
@@ -61,6 +62,7 @@ def generate(
     attention: Optional[str] = Opt(None, metavar="NAME", help="auto | torch | triton | flash (GPU kernels; default auto)."),
     cuda_graphs: Optional[bool] = Opt(None, "--cuda-graphs", help="Replay verification forwards from CUDA graphs (GPU)."),
     threads: Optional[str] = Opt(None, metavar="N", help="CPU threads; 0 = torch's default, fewer while other processes keep cores busy (same text)."),
+    tp: Optional[str] = Opt(None, metavar="N", help="Tensor parallelism: split the model over N ranks (GPUs, or CPU cores), 1/N of the weights each; 1 = off (default)."),
     outline: Optional[str] = Opt(None, metavar="FILE", help="Markdown outline to follow: '## ' headings, notes, {tokens: N} budgets."),
     plan: Optional[bool] = Opt(None, "--plan", help="Let the model write the outline from the brief first, then the document."),
     plan_only: Optional[bool] = Opt(None, "--plan-only", help="Write the planned outline and stop (edit it, pass it to --outline)."),
@@ -83,9 +85,18 @@ def generate(
                  dry_window=dry_window, dry_breakers=dry_breakers, stop_on_loop=stop_on_loop,
                  stop_at_eos=stop_at_eos, chunk=chunk, draft=draft, budget=budget, static_tree=static_tree,
                  head_mode=head_mode, draft_kv_budget=draft_kv_budget, context=context, device=device, dtype=dtype,
-                 weights=weights, attention=attention, cuda_graphs=cuda_graphs, threads=threads, outline=outline,
+                 weights=weights, attention=attention, cuda_graphs=cuda_graphs, threads=threads, tp=tp, outline=outline,
                  plan=plan, plan_only=plan_only, sections=sections)
     cfg = config_mod.resolve(config, flags)
+    here = ranks.current
+    if here is not None:  # one rank of a group (torchrun, or a --tp launch): the group's size is the degree
+        if tp is not None and cfg.tp != here.world:
+            raise UsageError(f"--tp {cfg.tp} was given, but this command runs as {here.world} ranks; give the same "
+                             "number to both, or leave --tp out under torchrun.")
+        cfg.tp = here.world
+    elif cfg.tp > 1:
+        ranks.check_world(cfg.tp, cfg.device)
+        raise typer.Exit(ranks.launch(cfg.tp, sys.argv[1:]))
     raise typer.Exit(run(cfg, prompt, run_dir, out, quiet, no_live, stats_json))
 
 
@@ -94,7 +105,8 @@ def resume(
     run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="The run directory to continue."),
     tokens: Optional[str] = Opt(None, metavar="N", help="New total target of tokens (extends the run)."),
     out: Optional[Path] = Opt(None, metavar="FILE", help="Write the whole text (old and new) to this file."),
-    force: bool = Opt(False, "--force", help="Resume even if the model changed."),
+    force: bool = Opt(False, "--force", help="Resume even if the model or the number of ranks (--tp) changed."),
+    tp: Optional[str] = Opt(None, metavar="N", help="Tensor-parallel ranks (default: the run's own; another number needs --force)."),
     quiet: bool = Opt(False, "--quiet"), no_live: bool = Opt(False, "--no-live"),
     stats_json: Optional[Path] = Opt(None, metavar="FILE", help="Write the final statistics as JSON."),
 ):
@@ -105,7 +117,23 @@ def resume(
     n = coerce("tokens", tokens, "--tokens") if tokens is not None else None
     if n is not None:
         Config(tokens=n).validate({"tokens": "--tokens"})
-    raise typer.Exit(run(run_dir, n, out, force, quiet, no_live, stats_json))
+    asked = coerce("tp", tp, "--tp") if tp is not None else None
+    if asked is not None:
+        Config(tp=asked).validate({"tp": "--tp"})
+    here = ranks.current
+    if here is not None and asked is not None and asked != here.world:
+        raise UsageError(f"--tp {asked} was given, but this command runs as {here.world} ranks; give the same number "
+                         "to both, or leave --tp out under torchrun.")
+    recorded, device = ranks.recorded(run_dir)
+    world = here.world if here is not None else asked or recorded
+    if world != recorded and not force:
+        raise UserError(f"{run_dir} was written by {recorded} tensor-parallel rank{'s' if recorded > 1 else ''}; on "
+                        f"{world} every sum adds its parts in another order, so the text would continue differently. "
+                        f"Resume with --tp {recorded}, or add --force to continue it on {world} anyway.")
+    if here is None and world > 1:
+        ranks.check_world(world, device)
+        raise typer.Exit(ranks.launch(world, sys.argv[1:]))
+    raise typer.Exit(run(run_dir, n, out, force, quiet, no_live, stats_json, world))
 
 
 @app.command()
@@ -204,6 +232,28 @@ def _click_errors() -> tuple[type, ...]:
 
 
 def main() -> None:
+    here = ranks.join()  # one rank of a tensor-parallel group (torchrun, or a --tp launch), or None
+    if here is None:
+        _main()
+        return
+    code = 1
+    try:
+        if here.rank:
+            code = here.follow()  # a follower reads no argument: it loads and runs what rank 0 plans
+        else:
+            try:
+                _main()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            except BaseException:  # a bug: its traceback, then every rank still leaves
+                import traceback
+
+                traceback.print_exc()
+    finally:
+        ranks.end(here, code)
+
+
+def _main() -> None:
     try:
         rc = app(standalone_mode=False)  # without standalone mode, click returns typer.Exit's code instead
         sys.exit(rc if isinstance(rc, int) else 0)
@@ -219,6 +269,9 @@ def main() -> None:
         sys.exit(0)
     except MemoryError:
         _say("out of memory; use a smaller --context, a smaller model, or close other programs.")
+        sys.exit(1)
+    except RankLost as e:
+        _say(f"another rank of this tensor-parallel run ended ({e}); every rank stops.")
         sys.exit(1)
     except typer.Abort:
         sys.exit(130)

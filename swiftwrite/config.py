@@ -91,6 +91,10 @@ class Config:
     # torch CPU threads; 0 = torch's default, lowered while other processes keep cores busy and raised again
     # after, through counts a probe shows give the same bits (threads.py); N fixes the count
     threads: int = 0
+    # tensor-parallel ranks: the model's heads and MLP columns split over N processes (GPUs, or CPU cores), each
+    # holding 1/N of the weights and KV cache (parallel.py, ranks.py); 1 = one process. Another text in the last
+    # bits of every sum, so a run is resumed with the degree it was written with
+    tp: int = 1
     # a Markdown outline to follow: '## ' headings, optional notes under them, optional {tokens: N} budgets;
     # "" = none. Read once at `generate`; the run directory keeps the plan, so `resume` never reads it again
     outline: str = ""
@@ -142,6 +146,7 @@ class Config:
         need(self.weights in WEIGHTS, "weights", f"must be one of {', '.join(WEIGHTS)}")
         need(self.attention in ATTENTIONS, "attention", f"must be one of {', '.join(ATTENTIONS)}")
         need(0 <= self.threads <= 1024, "threads", "must be 0 (torch's default) or a number of threads up to 1024")
+        need(1 <= self.tp <= 1024, "tp", "must be 1 (one process) or a number of ranks up to 1024")
         need(0 <= self.seed < 1 << 32, "seed", f"must be between 0 and {(1 << 32) - 1}")
         need(not (self.outline and (self.plan or self.plan_only)), "outline",
              "cannot be combined with --plan or --plan-only; give an outline file or let the model plan one, not both")

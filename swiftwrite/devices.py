@@ -45,16 +45,17 @@ def pick_device(cfg: Config, say=lambda msg: None) -> tuple[str, "torch.dtype"]:
     return device, getattr(torch, name)
 
 
-def weight_bytes(mcfg: "ModelConfig", dtype, weights: str = "float") -> int:
+def weight_bytes(mcfg: "ModelConfig", dtype, weights: str = "float", world: int = 1) -> int:
     """The model's parameters, counted from its configuration, times the dtype's size (norms and biases, a
     fraction of a percent, left out): known before a byte of the weights is read. Quantized (`weights` int8 /
     int4): 1 byte per layer weight, or half a byte plus a bfloat16 scale and zero per 32; the LM head and the
-    embedding table as int8 rows (one table when they are tied)."""
+    embedding table as int8 rows (one table when they are tied). `world`: what one of that many tensor-parallel
+    ranks holds (1/world of the layers; the tables are replicated, parallel.py)."""
     import torch
 
     h, inter, hd = mcfg.hidden_size, mcfg.intermediate_size, mcfg.head_dim
     attention = h * (mcfg.n_heads + 2 * mcfg.n_kv_heads) * hd + mcfg.n_heads * hd * h
-    layers = mcfg.n_layers * (attention + 3 * h * inter)
+    layers = mcfg.n_layers * (attention + 3 * h * inter) // world
     table = mcfg.vocab_size * h
     tables = table * (1 if mcfg.tie_embeddings else 2)
     if weights == "int8":
@@ -121,7 +122,7 @@ def free_memory(device: str) -> int | None:
     return int(torch.cuda.mem_get_info()[0])
 
 
-def fit_dtype(cfg: Config, mcfg: "ModelConfig", device: str, dtype, say) -> "torch.dtype":
+def fit_dtype(cfg: Config, mcfg: "ModelConfig", device: str, dtype, say, world: int = 1) -> "torch.dtype":
     """Where `--dtype auto` is float32 (a CPU, a GPU without bfloat16) and float32 weights do not fit the free memory
     but half-size ones do, half it is, with that said (an 8B model: 32 GB in float32, 16 GB in a half dtype)."""
     import torch
@@ -129,12 +130,12 @@ def fit_dtype(cfg: Config, mcfg: "ModelConfig", device: str, dtype, say) -> "tor
     if cfg.dtype != "auto" or dtype != torch.float32:
         return dtype
     free = free_memory(device)
-    if free is None or weight_bytes(mcfg, dtype) <= 0.9 * free:
+    if free is None or weight_bytes(mcfg, dtype, world=world) <= 0.9 * free:
         return dtype
     half = torch.bfloat16 if device == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
-    if weight_bytes(mcfg, half) > 0.9 * free:
+    if weight_bytes(mcfg, half, world=world) > 0.9 * free:
         return dtype  # neither fits: make_window says what to do
-    say(f"the model's float32 weights ({human_bytes(weight_bytes(mcfg, dtype))}) do not fit the {human_bytes(free)} "
+    say(f"the model's float32 weights ({human_bytes(weight_bytes(mcfg, dtype, world=world))}) do not fit the {human_bytes(free)} "
         f"free {'in RAM' if device == 'cpu' else 'on the GPU'}; using {dtype_name(half)}, which writes another text than "
         "float32 would (--dtype float32 to insist).")
     return half

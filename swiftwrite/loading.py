@@ -57,6 +57,7 @@ class Loaded:
     attention: str = "auto"  # config.ATTENTIONS
     cuda_graphs: bool = False  # wrap the lean model in graphs.GraphedModel (checked: CUDA and the tree kernel)
     weights: str = "float"  # config.WEIGHTS resolved: float, int8 or int4
+    tp: int = 1  # tensor-parallel ranks (this process is rank 0 of them when > 1: ranks.py)
     # said once the run starts (after every check of the input, so a refusal stays one sentence)
     weights_note: str | None = None
 
@@ -67,14 +68,22 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
         check_gguf_header(Path(cfg.model).expanduser())
         ref = resolve(cfg.model, log=display.info)
     device, dtype = pick_device(cfg, display.info)
+    if cfg.tp > 1 and device == "cpu" and not cfg.threads:
+        import os
+
+        # each rank its share of the cores: more threads than cores between processes that wait on each other at
+        # every all-reduce collapses (and a fixed count keeps each rank's bits; threads.py governs one process)
+        cfg.threads = max(1, (os.cpu_count() or 1) // cfg.tp)
     if cfg.threads:
         import torch
 
         torch.set_num_threads(cfg.threads)
     mcfg, lean = _model_config(ref, display)
+    if cfg.tp > 1:
+        _check_parallel(cfg, device, mcfg, lean)
     weights = pick_weights(cfg, device, mcfg, lean)
     weights_note = None
-    if cfg.weights == "auto":
+    if cfg.weights == "auto" and cfg.tp == 1:
         gguf_type = source_weights(ref.path)
         faster = quantized_option(gguf_type, device, mcfg, lean)
         float_bytes = weight_bytes(mcfg, dtype) if faster else 0
@@ -89,13 +98,38 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
             weights_note = (f"weights: float32, de-quantized from the model's {gguf_type} GGUF; --weights {faster} "
                             f"keeps its own bits and writes ~2x as fast here, another text that decays sooner on long "
                             f"runs (README \"Quantized weights\")")
-    dtype = fit_dtype(cfg, mcfg, device, dtype, display.info) if weights == "float" else dtype
+    dtype = fit_dtype(cfg, mcfg, device, dtype, display.info, cfg.tp) if weights == "float" else dtype
     graphs, notes = attention_notes(cfg, device, dtype)  # with the dtype the model will really have
     for note in notes:
         display.info(note)
+    if graphs and cfg.tp > 1:
+        display.info("--cuda-graphs: not captured under tensor parallelism (the collectives are outside the graphs); "
+                     "running without graphs.")
+        graphs = False
     lm = _loaded(ref, mcfg, device, dtype, cfg.attention, graphs and lean)
-    lm.weights, lm.weights_note = weights, weights_note
+    lm.weights, lm.weights_note, lm.tp = weights, weights_note, cfg.tp
     return lm
+
+
+def _check_parallel(cfg: Config, device: str, mcfg: "ModelConfig", lean: bool) -> None:
+    """One sentence for each reason `cfg.tp` ranks cannot run this model here, before any weight is read."""
+    from . import ranks
+    from .parallel import check_divides
+
+    if ranks.current is None or ranks.current.world != cfg.tp:
+        raise UserError(f"tensor parallelism (tp {cfg.tp}) runs from the command line: `swiftwrite generate --tp "
+                        f"{cfg.tp} ...` or torchrun; this caller is one process.")
+    ranks.check_world(cfg.tp, device)
+    if not lean:
+        raise UserError(f"tensor parallelism splits the lean forward, and '{mcfg.arch}' runs through transformers; "
+                        "run it without --tp.")
+    if cfg.weights in ("int8", "int4"):
+        raise UserError(f"--weights {cfg.weights} is not split across ranks; use --weights float with --tp, or one "
+                        "process for quantized weights.")
+    if cfg.draft == "heads":
+        raise UserError("multi-token heads do not run under tensor parallelism yet; use --draft all (recycling and "
+                        "n-gram) with --tp, or one process for heads.")
+    check_divides(mcfg, cfg.tp)
 
 
 def _model_config(ref: ModelRef, display: Display) -> tuple["ModelConfig", bool]:
@@ -149,7 +183,11 @@ def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype, attention: s
 def load_weights(lm: Loaded, display_log=lambda msg: None) -> None:
     from .model import SUPPORTED_ARCHS, load_lean
 
-    if lm.mcfg.arch in SUPPORTED_ARCHS:
+    if lm.tp > 1:
+        from . import ranks
+
+        lm.model = ranks.current.lead(lm, display_log)  # every rank loads its own shard (ranks.py)
+    elif lm.mcfg.arch in SUPPORTED_ARCHS:
         lm.model = load_lean(lm.ref.path, lm.device, lm.dtype, lm.attention, lm.weights, log=display_log)
         if lm.cuda_graphs:
             from .graphs import GraphedModel
@@ -183,8 +221,9 @@ def make_window(cfg: Config, lm: Loaded, prompt_len: int, display: Display) -> "
         display.info(f"--context {cfg.context} is past the model's {limit} positions; using {limit}.")
     context = min(cfg.context or limit, limit)
     window = Window(context, prompt_len)
-    kv = KVCache.bytes_needed(lm.mcfg, context + 1 + MAX_BUDGET, lm.dtype)
-    weights = weight_bytes(lm.mcfg, lm.dtype, lm.weights) if lm.model is None else 0  # loaded ones are already not free
+    kv = KVCache.bytes_needed(lm.mcfg, context + 1 + MAX_BUDGET, lm.dtype) // lm.tp  # a rank holds 1/tp of the KV heads
+    # loaded weights are already not free; a tensor-parallel rank holds its shard
+    weights = weight_bytes(lm.mcfg, lm.dtype, lm.weights, lm.tp) if lm.model is None else 0
     avail = free_memory(lm.device)
     where = "in RAM" if lm.device == "cpu" else "on the GPU"
     dtype = dtype_name(lm.dtype) if lm.weights == "float" else lm.weights
@@ -261,6 +300,14 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
         start=text_start, dry=dry_settings(cfg, lm.tok, model.cfg.vocab_size, text_start),
     )
     names = [] if cfg.draft == "none" else (list(SOURCES) if cfg.draft == "all" else [cfg.draft])
+    if names and lm.tp > 1 and getattr(model, "exact_rows", False):
+        # each rank would need exact.check's pieces and pads for its own shard; not built
+        display.info(f"--dtype {dtype_name(lm.dtype)} under tensor parallelism: the trees' exactness in half precision "
+                     "is not built for sharded models, so decoding runs without drafts (as --draft none) and "
+                     "writes exactly what plain decoding writes.")
+        names = []
+    if "heads" in names and lm.tp > 1:
+        names.remove("heads")  # "all": the train-free sources, which draft on rank 0 alone (_check_parallel)
     if names and getattr(model, "exact_rows", False):
         from .exact import check
 
@@ -344,6 +391,7 @@ def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display:
     key = f"{lm.ref.fingerprint}/{lm.model.device.type}/{str(lm.model.dtype)}/{torch.get_num_threads()}t"
     key += ("/graphs" if lm.cuda_graphs else "") + (f"/attn-{lm.attention}" if lm.attention != "auto" else "")
     key += f"/w-{lm.weights}" if lm.weights != "float" else ""  # quantized products cost another curve
+    key += f"/tp{lm.tp}" if lm.tp > 1 else ""  # a sharded forward costs its products / tp plus the all-reduces
 
     from .model import tree_rows
 

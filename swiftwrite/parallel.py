@@ -24,12 +24,13 @@ disk (each rank reads the whole checkpoint and keeps its shard), run directories
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from .errors import UserError
+from .errors import RankLost, UserError
 from .model import KVCache, LeanModel, ModelConfig
 
 # what the leader sends, as the first word of a header
@@ -47,41 +48,109 @@ def check_divides(cfg: ModelConfig, world: int) -> None:
                             f"{cfg.intermediate_size} MLP columns.")
 
 
-def shard(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int, world: int) -> tuple[ModelConfig, dict]:
-    """This rank's configuration (1/world of the heads, KV heads and MLP columns) and weights, under the names the
-    lean forward reads."""
-    check_divides(cfg, world)
+def _cut(cfg: ModelConfig, name: str, rank: int, world: int) -> tuple[int, int, int] | str | None:
+    """How rank `rank` of `world` takes the weight `name`: (dim, start, stop) for its slice along dim 0 (the rows
+    of a column-parallel product) or dim 1 (the input columns of a row-parallel one), "all" for a replicated
+    weight, None for one it does not hold (a row-parallel product's bias, which rank 0 alone adds)."""
     H, KV, D, inter = cfg.n_heads // world, cfg.n_kv_heads // world, cfg.head_dim, cfg.intermediate_size // world
     rows = {"q_proj": H * D, "k_proj": KV * D, "v_proj": KV * D, "gate_proj": inter, "up_proj": inter}
     cols = {"o_proj": H * D, "down_proj": inter}
+    kind = name.split(".")[-2] if name.count(".") >= 2 else ""
+    if kind in rows:  # column-parallel: this rank's output rows (and their bias)
+        return 0, rank * rows[kind], (rank + 1) * rows[kind]
+    if kind in cols and name.endswith(".weight"):  # row-parallel: this rank's input columns
+        return 1, rank * cols[kind], (rank + 1) * cols[kind]
+    if kind in cols:  # a row-parallel product's bias: added once, by rank 0, before the sum
+        return "all" if rank == 0 else None
+    return "all"  # norms, the embedding table, the LM head: replicated
+
+
+def local_config(cfg: ModelConfig, world: int) -> ModelConfig:
+    """One rank's shapes: 1/world of the heads, KV heads and MLP columns."""
+    check_divides(cfg, world)
+    return replace(cfg, n_heads=cfg.n_heads // world, n_kv_heads=cfg.n_kv_heads // world,
+                   intermediate_size=cfg.intermediate_size // world)
+
+
+def shard(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int, world: int) -> tuple[ModelConfig, dict]:
+    """This rank's configuration and weights, cut from the whole model's (held in memory), under the names the
+    lean forward reads."""
+    local = local_config(cfg, world)
     out = {}
     for name, t in weights.items():
-        kind = name.split(".")[-2] if name.count(".") >= 2 else ""
-        if kind in rows:  # column-parallel: this rank's output rows (and bias)
-            out[name] = t[rank * rows[kind] : (rank + 1) * rows[kind]].contiguous()
-        elif kind in cols and name.endswith(".weight"):  # row-parallel: this rank's input columns
-            out[name] = t[:, rank * cols[kind] : (rank + 1) * cols[kind]].contiguous()
-        elif kind in cols:  # a row-parallel product's bias: added once, by rank 0, before the sum
-            if rank == 0:
-                out[name] = t
-        else:  # norms, the embedding table, the LM head: replicated
+        how = _cut(cfg, name, rank, world)
+        if how == "all":
             out[name] = t
-    return replace(cfg, n_heads=H, n_kv_heads=KV, intermediate_size=inter), out
+        elif how is not None:
+            dim, a, b = how
+            out[name] = (t[a:b] if dim == 0 else t[:, a:b]).contiguous()
+    return local, out
+
+
+def read_shard(model_dir, cfg: ModelConfig, rank: int, world: int) -> dict[str, torch.Tensor]:
+    """This rank's weights read from a safetensors directory slice by slice: the rows and columns of the split
+    products that are its own, and nothing of the others' (a rank's memory never holds the whole model)."""
+    from pathlib import Path
+
+    from safetensors import SafetensorError, safe_open
+
+    from .errors import RankLost, UserError
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{model_dir} has no .safetensors weights; convert the checkpoint to safetensors first.")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    how = _cut(cfg, name, rank, world)
+                    if how == "all":
+                        out[name] = fh.get_tensor(name)
+                    elif how is not None:
+                        dim, a, b = how
+                        piece = fh.get_slice(name)
+                        out[name] = (piece[a:b] if dim == 0 else piece[:, a:b]).contiguous()
+        except (SafetensorError, OSError, ValueError) as e:
+            raise UserError(f"{f} is corrupt or truncated ({e}); delete it and fetch the model again.") from None
+    return out
+
+
+def _collective(fn, *args, **kw):
+    try:
+        return fn(*args, **kw)
+    except RuntimeError as e:  # gloo: "Connection closed by peer", "Connection reset by peer", timeouts
+        raise RankLost(_said(e)) from None
+
+
+def _said(e: BaseException) -> str:
+    """What a failed collective says, without the source path in front and the advice behind
+    ("[.../pair.cc:537] Read error [127.0.0.1]:5292: Connection reset by peer. This is typically ..." ->
+    "connection reset by peer")."""
+    text = " ".join(str(e).split())
+    text = re.split(r"\. This is typically", text)[0]
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    tail = re.search(r"(connection (?:closed|reset) by peer|timed? ?out[^.]*)", text, re.I)
+    return (tail.group(1) if tail else text[:200]).lower() or type(e).__name__
 
 
 class ShardedModel(LeanModel):
-    """A LeanModel over one rank's shard: its row-split products end in an all-reduce."""
+    """A LeanModel over one rank's shard: its row-split products end in an all-reduce. `weights`: the whole
+    model's (cut here), or with `local=True` this rank's already (read_shard)."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict, rank: int, world: int, group=None, **kw):
-        local, mine = shard(cfg, weights, rank, world)
-        super().__init__(local, mine, **kw)
+    def __init__(self, cfg: ModelConfig, weights: dict, rank: int, world: int, group=None, local: bool = False, **kw):
+        if local:
+            mine, shapes = weights, local_config(cfg, world)
+        else:
+            shapes, mine = shard(cfg, weights, rank, world)
+        super().__init__(shapes, mine, **kw)
         self.full_cfg, self.rank, self.world, self.group = cfg, rank, world, group
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         # contiguous: the float32 CPU product of one row is a transposed view (model.linear), and the collective
         # sums a buffer, not a view's strides
         y = y.contiguous()
-        dist.all_reduce(y, group=self.group)
+        _collective(dist.all_reduce, y, group=self.group)
         return y
 
 
@@ -121,7 +190,7 @@ class Leader:
 
     def _tensor(self, t: torch.Tensor) -> None:
         """Send `t` to the followers as int64 on the model's device (NCCL moves CUDA tensors only, gloo CPU ones)."""
-        dist.broadcast(t.to(self.model.device, torch.int64).contiguous(), 0, group=self.model.group)
+        _collective(dist.broadcast, t.to(self.model.device, torch.int64).contiguous(), 0, group=self.model.group)
 
     def new_cache(self, capacity: int) -> KVCache:
         self._caches += 1
@@ -146,13 +215,20 @@ class Leader:
         self._send(STOP)
 
 
-def load_sharded(model_dir, rank: int, world: int, group=None, device="cpu", dtype=torch.float32) -> ShardedModel:
-    """This rank's shard of a safetensors model directory (read whole, then cut: see the module's "Not built yet")."""
-    from .model import load_safetensors_dir, read_hf_config
+def load_sharded(model_dir, rank: int, world: int, group=None, device="cpu", dtype=torch.float32,
+                 attention: str = "auto") -> ShardedModel:
+    """This rank's shard of a safetensors model directory, read slice by slice (read_shard)."""
+    from .model import read_hf_config
 
     cfg = ModelConfig.from_hf(read_hf_config(model_dir))
     check_divides(cfg, world)
-    return ShardedModel(cfg, load_safetensors_dir(model_dir), rank, world, group, device=device, dtype=dtype)
+    try:
+        return ShardedModel(cfg, read_shard(model_dir, cfg, rank, world), rank, world, group, local=True,
+                            device=device, dtype=dtype, attention=attention)
+    except KeyError as e:
+        from .errors import RankLost, UserError
+
+        raise UserError(f"{model_dir} lacks the weight {e}; the checkpoint is incomplete or not {cfg.arch}.") from None
 
 
 def follow(model: ShardedModel) -> int:
@@ -163,7 +239,7 @@ def follow(model: ShardedModel) -> int:
 
     def receive(*shape: int) -> torch.Tensor:
         t = torch.empty(*shape, dtype=torch.int64, device=model.device)
-        dist.broadcast(t, 0, group=model.group)
+        _collective(dist.broadcast, t, 0, group=model.group)
         return t
 
     while True:

@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import outline as outlines
+from . import ranks
 from .config import Config
 from .devices import pick_device
-from .errors import UsageError, UserError
+from .errors import RankLost, UsageError, UserError
 from .loading import Loaded, build_engine, fit_budget, load_weights, make_window, open_model, text_start_for
 from .metrics import distinct, distinct_n, distinct_per_window, longest_repeat
 from .prompt import TextStream, apply_template, prompt_ids, read_prompt, read_source
@@ -129,7 +130,8 @@ def resume_command(rd: RunDir) -> str:
 
 @contextlib.contextmanager
 def interrupted_before_the_loop(rd: RunDir):
-    """Ctrl-C during the prefill or the cost measurement: nothing new to save, but say how to continue."""
+    """Ctrl-C (or a lost tensor-parallel rank) during the prefill or the cost measurement: nothing new to save,
+    but say how to continue."""
     try:
         yield
     except KeyboardInterrupt:
@@ -137,6 +139,13 @@ def interrupted_before_the_loop(rd: RunDir):
                       f"Continue with: {resume_command(rd)}")
         e.exit_code = 130  # like every other Ctrl-C
         raise e from None
+    except RankLost as e:
+        raise UserError(f"{lost(e)} at {len(rd.tokens)} tokens, before writing more; the run is saved. "
+                        f"Continue with: {resume_command(rd)}") from None
+
+
+def lost(e: RankLost) -> str:
+    return f"another rank of this tensor-parallel run ended ({e})"
 
 
 def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display: Display, stats_json: Path | None,
@@ -214,6 +223,7 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
             "weights": lm.weights, "text_pending_tokens": len(stream.pending), "earlier_processes": history,
             "longest_current_repeat": repeat, **({"stopped": stopped} if stopped else {}),
             "threads": torch.get_num_threads(), **({"thread_changes": gov.changes} if gov else {}),
+            "tp": lm.tp,  # the ranks this text came from: resume keeps it (ranks.recorded)
             # where each section's heading starts (output token index): resume checks its replay against it
             **({"sections": {"count": len(sched.plan.sections), "starts": list(sched.starts)},
                 "forced_tokens": forced} if sched else {}),
@@ -248,7 +258,7 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
         with Interrupt() as intr, torch.inference_mode():
             steps = engine.run(target - done) if sched is None else \
                 outlines.drive(engine, sched, target - done, list(rd.tokens))
-            for step in steps:
+            for step in _until_a_rank_is_lost(steps, rank_lost := []):
                 forwards += 0 if step.forced else 1
                 forced += len(step.tokens) if step.forced else 0
                 drafted += step.drafted
@@ -283,6 +293,14 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
                     display.info(moved)
                 if intr.signum:
                     break
+            if rank_lost:  # every token committed so far is sound: the lost step committed none
+                checkpoint()
+                display.update(progress(), force=True)
+                display.stop()
+                out.flush()
+                print(f"swiftwrite: {lost(rank_lost[0])} at {done}/{target} tokens; the run is saved. Continue with: "
+                      f"{resume_command(rd)}", file=sys.stderr, flush=True)
+                return 128 + intr.signum if intr.signum else 1
             if intr.signum and done < target:  # a signal on the very last step is simply a finished run
                 stopped = "signal"
                 checkpoint()
@@ -326,6 +344,15 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
                       "for different text start a new run with a higher --dry-multiplier.")
         return 3
     return 0
+
+
+def _until_a_rank_is_lost(steps, lost: list):
+    """The engine's steps until a tensor-parallel collective fails; then the failure is put in `lost` and the
+    steps end, so the loop can checkpoint what was committed before it."""
+    try:
+        yield from steps
+    except RankLost as e:
+        lost.append(e)
 
 
 def _int(v, upper: int) -> int:
@@ -423,6 +450,7 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
         rd = RunDir.create(path, cfg.to_dict(), text, ids, lm.ref.fingerprint, outline=plan.to_json() if plan else None,
                            outline_md=outlines.render(sections, budgets) if plan else "")
         try:
+            ranks.report_run_dir(rd.path)
             display.info(f"run directory: {rd.path}")
             if plan:
                 display.info(f"outline: {len(sections)} sections, written to {rd.path / 'outline.md'}")
@@ -451,13 +479,20 @@ def _resume_config(rd: RunDir, tokens: int | None) -> Config:
 
 
 def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool, quiet: bool, no_live: bool,
-           stats_json: Path | None) -> int:
+           stats_json: Path | None, tp: int = 1) -> int:
+    """`tp`: the tensor-parallel ranks it runs on (cli.resume checked it against the run's, or was --force)."""
     display = Display(Display.choose(quiet, no_live))
     check_writable(out_path, "--out")
     check_writable(stats_json, "--stats-json")
     rd = RunDir.open(run_dir)
     try:
+        ranks.report_run_dir(rd.path)
         cfg = _resume_config(rd, tokens)
+        written_by = ranks.recorded(rd.path)[0]
+        if tp != written_by:
+            display.info(f"resuming on {tp} tensor-parallel rank{'s' if tp > 1 else ''}, not the run's {written_by} "
+                         "(--force): the continuation will differ from the original run.")
+        cfg.tp = tp
         if rd.recovered:
             display.info(rd.recovered)
         for w in rd.warnings:
