@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -61,10 +60,15 @@ def memory(model, cache_tokens: int) -> dict:
               + [v for layer in model.layers for v in layer.values() if isinstance(v, torch.Tensor)]}
     weights = sum(t.numel() * t.element_size() for t in params.values())
     cache = model.new_cache(cache_tokens)
-    rss = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))
-    # a rank's peak includes the whole checkpoint it reads before cutting its shard (parallel.load_sharded)
+    # a rank reads only its slices of the checkpoint (parallel.read_shard): its peak is its shard, not the model
     return {"weight_bytes": weights, "kv_bytes_per_1k_tokens": cache.nbytes * 1000 // cache_tokens,
-            "rss_bytes": rss, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "rss_bytes": status("VmRSS"), "peak_rss_bytes": status("VmHWM")}
+
+
+def status(field: str) -> int:
+    """A /proc/self/status figure in bytes. VmHWM (the peak) rather than getrusage's ru_maxrss, which a spawned
+    rank inherits from the parent it was forked from (Linux keeps it across exec)."""
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
 
 
 def rank_main(rank: int, world: int, init: str, model_dir: str, out: str, n: int, budget: int) -> None:
@@ -73,8 +77,9 @@ def rank_main(rank: int, world: int, init: str, model_dir: str, out: str, n: int
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
+        before = status("VmRSS")  # torch imported, the group joined: what a rank holds before any weight
         model = load_sharded(model_dir, rank, world)
-        mem = memory(model, 1000)
+        mem = {**memory(model, 1000), "rss_before_load_bytes": before}
         if rank:
             follow(model)
             Path(out + f".rank{rank}").write_text(json.dumps(mem))

@@ -103,14 +103,23 @@ def read_shard(model_dir, cfg: ModelConfig, rank: int, world: int) -> dict[str, 
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as fh:
-                for name in fh.keys():
-                    how = _cut(cfg, name, rank, world)
+                names = list(fh.keys())
+            for name in names:
+                how = _cut(cfg, name, rank, world)
+                if how is None:
+                    continue
+                # opened per tensor: the pages of the file a read touches stay mapped (and resident) until the file
+                # is closed, and a column slice touches every page of its weight, so one open for the whole file
+                # would hold most of the checkpoint at the end of the read
+                with safe_open(str(f), framework="pt") as fh:
                     if how == "all":
-                        out[name] = fh.get_tensor(name)
-                    elif how is not None:
+                        t = fh.get_tensor(name)
+                    else:
                         dim, a, b = how
                         piece = fh.get_slice(name)
-                        out[name] = (piece[a:b] if dim == 0 else piece[:, a:b]).contiguous()
+                        t = piece[a:b] if dim == 0 else piece[:, a:b]
+                    # a copy of its own: a tensor left on the file's mapping would keep its pages resident
+                    out[name] = t.clone(memory_format=torch.contiguous_format)
         except (SafetensorError, OSError, ValueError) as e:
             raise UserError(f"{f} is corrupt or truncated ({e}); delete it and fetch the model again.") from None
     return out
