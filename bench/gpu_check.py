@@ -19,6 +19,10 @@ Writes OUT/gpu_check.json and OUT/gpu_check.md:
   4. tokens per second of transformers `generate`, swiftwrite `--draft none` and `--draft all` (and both with
      CUDA graphs), for short and long outputs (--short, --long new tokens; the long ones cross context rebuilds
      past the window), each under its own time budget so the whole script stays inside its limit.
+  5. with --tp N (default 2 where the machine has two GPUs or more, else off): tensor parallelism over N ranks
+     (NCCL, one GPU each; gloo on a CPU) on a random model of the default model's size whose heads divide
+     (bench/tp_cost.py's shape): speculative against plain output under N ranks, greedy and sampled, token for
+     token; N ranks' plain output against one process; tok/s; each rank's weights, KV cache and memory.
 It also runs on a CPU (--device cpu --attention triton, small sizes) so that it can be checked where no GPU is:
 the kernel then runs in Triton's interpreter and the graph sections run their static forward uncaptured.
 """
@@ -113,6 +117,36 @@ def random_model(work: Path, layers: int) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**{**DEFAULT_SHAPE, "num_hidden_layers": layers})).save_pretrained(str(path))
     return path
+
+
+def tp_check(work: Path, device: str, world: int, layers: int, n: int, budget: int) -> dict:
+    """Section 5: N ranks of bench/tp_cost.py's rank_main, led by rank 0, against one process."""
+    import torch.multiprocessing as mp
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import tp_cost
+
+    from swiftwrite.model import load_lean
+
+    path = work / "random-tp-shape"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**tp_cost.SHAPE, "num_hidden_layers": layers})).save_pretrained(str(path))
+    out = str(work / "tp")
+    mp.spawn(tp_cost.rank_main, args=(world, str(work / "tp-init"), str(path), out, n, budget, device), nprocs=world,
+             join=True)
+    lead = json.loads(Path(out + ".rank0").read_text())
+    runs = lead["runs"]
+    one = tp_cost.decode(load_lean(path, device), [], n, budget)["tokens"]
+    return {"world": world, "backend": "nccl" if device == "cuda" else "gloo", "tokens": n, "budget": budget,
+            "model": f"RANDOM, {layers} layers, {tp_cost.SHAPE['num_attention_heads']} query / "
+                     f"{tp_cost.SHAPE['num_key_value_heads']} KV heads (drafting speed means nothing)",
+            "equality": {"greedy": first_divergence(runs["drafts"]["tokens"], runs["none"]["tokens"]),
+                         "sample": first_divergence(runs["drafts-sampled"]["tokens"], runs["none-sampled"]["tokens"])},
+            "plain_leaves_one_process_at": first_divergence(runs["none"]["tokens"], one),
+            "runs": {k: {m: v[m] for m in ("tok_s", "tok_per_forward", "distinct_4", "longest_repeat")}
+                     for k, v in runs.items()},
+            "memory": [lead["memory"], *(json.loads(Path(out + f".rank{r}").read_text()) for r in range(1, world))]}
 
 
 def load(model: Path, device: str, dtype: str, attention: str):
@@ -216,6 +250,7 @@ def save(report: dict, out: Path, t_start: float) -> None:
           "| kernel shape | dtype | max abs error vs reference | nodes without a step's bits |", "|---|---|---:|---:|",
           *[f"| {r.get('shape')} | {r.get('dtype')} | {r.get('max_abs_error', r.get('error'))} | "
             f"{r.get('nodes_not_step_bits', '-')} |" for r in report["kernel"]],
+          *(_tp_lines(report["tp"]) if report.get("tp") else []),
           *([f"", f"exact {report['exact_half']['dtype']}: start-up check {report['exact_half']['check']}; "
              f"tree rows per product piece {report['exact_half']['pieces']}; single rows padded to two "
              f"{report['exact_half']['pads']}"] if report.get("exact_half") else []),
@@ -229,6 +264,17 @@ def save(report: dict, out: Path, t_start: float) -> None:
           *[f"| {r['method']} | {r['tokens']} ({r['target_tokens']}) | {r['tokens_per_second']} | {r['tokens_per_forward'] or '-'} |"
             for r in report["speed"]], ""]
     (out / "gpu_check.md").write_text("\n".join(md))
+
+
+def _tp_lines(tp: dict) -> list[str]:
+    mem = ", ".join(f"rank {r}: weights {m['weight_bytes'] >> 20} MiB, KV {m['kv_bytes_per_1k_tokens'] >> 20} MiB/1K "
+                    f"tokens" + (f", CUDA allocated {m['cuda_allocated_bytes'] >> 20} MiB" if "cuda_allocated_bytes" in m
+                                 else f", resident {m['rss_bytes'] >> 20} MiB") for r, m in enumerate(tp["memory"]))
+    return ["", f"tensor parallelism, {tp['world']} ranks ({tp['backend']}), {tp['model']}, {tp['tokens']} tokens: "
+            f"drafts vs plain under {tp['world']} ranks first differ at greedy {tp['equality']['greedy']}, sampled "
+            f"{tp['equality']['sample']}; plain vs one process at {tp['plain_leaves_one_process_at']}; tok/s "
+            + ", ".join(f"{k} {v['tok_s']} (D-4 {v['distinct_4']}, repeat {v['longest_repeat']})"
+                        for k, v in tp["runs"].items()) + f"; {mem}"]
 
 
 def main():
@@ -252,6 +298,9 @@ def main():
     ap.add_argument("--draft-budget", default="auto",
                     help="draft nodes per step: auto (measures this machine's cost curve first) or 1..63; the CPU "
                          "test fixes it, since the curve through Triton's interpreter takes minutes")
+    ap.add_argument("--tp", type=int, default=2 if torch.cuda.device_count() >= 2 else 0,
+                    help="tensor-parallel ranks of section 5 (0 = skip; default 2 with two GPUs or more)")
+    ap.add_argument("--tp-tokens", type=int, default=300)
     ap.add_argument("--budget-s", type=float, default=30.0,
                     help="seconds each speed run may take at most (tok/s is over the tokens it wrote by then)")
     a = ap.parse_args()
@@ -382,6 +431,11 @@ def main():
                          "tokens_per_second": round(made / secs, 1), "tokens_per_forward": round(made / fwd, 3) if fwd else None})
             log(f"  {made / secs:.1f} tok/s")
             save(report, a.out, t_start)
+    if a.tp > 1:
+        log(f"tensor parallelism over {a.tp} ranks")
+        report["tp"] = tp_check(work, a.device, a.tp, a.random_layers, a.tp_tokens,
+                                4 if a.draft_budget == "auto" else int(a.draft_budget))
+        save(report, a.out, t_start)
     report["complete"] = True
     save(report, a.out, t_start)
     print((a.out / "gpu_check.md").read_text())

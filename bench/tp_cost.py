@@ -34,9 +34,11 @@ SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidd
              num_key_value_heads=4, head_dim=48, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
              tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 PROMPT = 64
+GREEDY = dict(penalty=1.2, window=64)
+SAMPLED = dict(temperature=0.8, min_p=0.05, penalty=1.2, window=64, seed=7)
 
 
-def decode(model, drafts: list[str], n: int, budget: int) -> dict:
+def decode(model, drafts: list[str], n: int, budget: int, settings: dict | None = None) -> dict:
     from swiftwrite.engine import Engine, make_sources
     from swiftwrite.metrics import distinct_n, longest_repeat
     from swiftwrite.sampling import Sampler, SamplerSettings
@@ -45,7 +47,7 @@ def decode(model, drafts: list[str], n: int, budget: int) -> dict:
     vocab = model.cfg.vocab_size
     prompt = torch.randint(100, 20000, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
     sources, stats = make_sources(drafts, vocab)
-    engine = Engine(model, Sampler(SamplerSettings(penalty=1.2, window=64), vocab), Window(2048, PROMPT), sources,
+    engine = Engine(model, Sampler(SamplerSettings(**(settings or GREEDY)), vocab, model.device), Window(2048, PROMPT), sources,
                     stats, budget=budget if drafts else None, capacity=PROMPT + n + 1)
     engine.start(prompt)
     t0 = time.perf_counter()
@@ -71,22 +73,30 @@ def status(field: str) -> int:
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
 
 
-def rank_main(rank: int, world: int, init: str, model_dir: str, out: str, n: int, budget: int) -> None:
+def rank_main(rank: int, world: int, init: str, model_dir: str, out: str, n: int, budget: int,
+              device: str = "cpu") -> None:
+    """One rank of `world` (torch.multiprocessing.spawn): gloo on the CPU, NCCL on GPU `rank` (bench/gpu_check.py)."""
     from swiftwrite.parallel import Leader, follow, load_sharded
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         before = status("VmRSS")  # torch imported, the group joined: what a rank holds before any weight
-        model = load_sharded(model_dir, rank, world)
-        mem = {**memory(model, 1000), "rss_before_load_bytes": before}
+        model = load_sharded(model_dir, rank, world, device=f"cuda:{rank}" if cuda else "cpu")
+        mem = {**memory(model, 1000), "rss_before_load_bytes": before,
+               **({"cuda_allocated_bytes": torch.cuda.memory_allocated()} if cuda else {})}
         if rank:
             follow(model)
             Path(out + f".rank{rank}").write_text(json.dumps(mem))
             return
         leader = Leader(model)
         try:
-            runs = {"none": decode(leader, [], n, budget), "drafts": decode(leader, ["recycling", "ngram"], n, budget)}
+            runs = {"none": decode(leader, [], n, budget), "drafts": decode(leader, ["recycling", "ngram"], n, budget),
+                    "none-sampled": decode(leader, [], n, budget, SAMPLED),
+                    "drafts-sampled": decode(leader, ["recycling", "ngram"], n, budget, SAMPLED)}
         finally:
             leader.stop()
         Path(out + ".rank0").write_text(json.dumps({"memory": mem, "runs": runs}))
@@ -131,6 +141,9 @@ def main():
     for name, lay in report["layouts"].items():
         plain = lay["runs"]["none"]["tokens"]
         lay["drafts_equal_plain"] = first_divergence(lay["runs"]["drafts"]["tokens"], plain) is None
+        if "drafts-sampled" in lay["runs"]:
+            lay["sampled_drafts_equal_plain"] = first_divergence(lay["runs"]["drafts-sampled"]["tokens"],
+                                                                 lay["runs"]["none-sampled"]["tokens"]) is None
         lay["plain_leaves_one_process_at"] = first_divergence(plain, one_plain)
         for r in lay["runs"].values():
             r.pop("tokens")

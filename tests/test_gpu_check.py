@@ -25,7 +25,7 @@ def test_the_gpu_check_runs_end_to_end_on_a_cpu(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--out", str(out), "--device", "cpu",
                            "--attention", "triton", "--random-layers", "1", "--short", "8", "--long", "16",
                            "--equal-tokens", "8", "--cost-contexts", "32", "--cost-sizes", "1,2",
-                           "--draft-budget", "4"],
+                           "--draft-budget", "4", "--tp", "2", "--tp-tokens", "40"],
                           capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
@@ -41,7 +41,11 @@ def test_the_gpu_check_runs_end_to_end_on_a_cpu(tmp_path):
         (m, 8) for m in ("hf", "none", "all", "none+graphs", "all+graphs")] + [
         (m, 16) for m in ("none", "all", "none+graphs", "all+graphs")]
     assert all(r["tokens"] == r["target_tokens"] for r in report["speed"])
+    tp = report["tp"]
+    assert tp["world"] == 2 and tp["backend"] == "gloo" and tp["equality"] == {"greedy": None, "sample": None}
+    assert [m["weight_bytes"] for m in tp["memory"]][0] == tp["memory"][1]["weight_bytes"]
     md = (out / "gpu_check.md").read_text()
+    assert "tensor parallelism, 2 ranks (gloo)" in md
     assert "RANDOM" in md and "uncaptured: no CUDA" in md and "INCOMPLETE" not in md
     assert "exact bfloat16: start-up check passed" in md
     assert not (out / "work").exists()  # the random model is removed
