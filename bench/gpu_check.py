@@ -395,7 +395,7 @@ def main():
     rows = report["speed"]
     hf = None
     methods = ("hf", "none", "all", "none+graphs", "all+graphs") if graphs else ("hf", "none", "all")
-    for n in (a.short, a.long):
+    for n in (a.short, a.long) if a.long else (a.short,):  # --long 0: the short outputs alone
         for method in methods:
             if method == "hf" and n == a.long:
                 continue  # generate has no context rebuild: past the window it would fail

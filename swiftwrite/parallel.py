@@ -18,8 +18,10 @@ process (the forward a tree node gets is the one a step gets, up to the row-coun
 exact.py covers the half dtypes). Against one process the partial sums are added in another order, so the text
 agrees only as long as no near-tie meets those last bits (measured in tests/test_parallel.py).
 
-Not built yet (issue "Past one device"): the command line (`--tp`, torchrun), loading only a rank's shard from
-disk (each rank reads the whole checkpoint and keeps its shard), run directories and resume under N ranks.
+The processes around it (launching, rank 0's plan, the followers' life, how a run ends when a rank does) are
+ranks.py's. Each rank reads only its slices of the safetensors files (read_shard). Not under tensor parallelism:
+the heads' two-pass draft forward (refused here; writer runs drop heads), quantized weights, the half dtypes'
+exact trees (each rank would need its own exact.check, so a half-precision run under --tp decodes without drafts).
 """
 
 from __future__ import annotations

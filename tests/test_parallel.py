@@ -108,3 +108,21 @@ def test_a_split_that_does_not_divide_is_refused_with_a_sentence(tiny):
         check_divides(cfg, 3)
     with pytest.raises(UserError, match="2 KV heads do not divide by 4 ranks"):
         check_divides(cfg, 4)
+
+
+@pytest.mark.parametrize("failing", [1, 0])
+def test_a_rank_that_cannot_load_its_shard_stops_every_rank_with_one_sentence(tiny, tmp_path, failing):
+    """Every rank reports its load to rank 0 before any forward: one that fails (here rank 1, or rank 0 itself)
+    makes rank 0 raise one sentence naming it, and every follower leaves instead of waiting for work."""
+    import socket
+
+    from tp_worker import plan_worker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "out")
+    mp.spawn(plan_worker, args=(2, port, str(tiny), out, failing), nprocs=2, join=True)
+    said = json.loads(open(out + ".rank0").read())["said"]
+    assert said == (f"rank {failing} of 2 could not load its shard of {tiny}: MemoryError: cannot allocate 326 MB.")
+    assert json.loads(open(out + ".rank1").read())["returned"] == 1

@@ -35,3 +35,36 @@ def worker(rank: int, world: int, init_file: str, model_dir: str, out_file: str,
             json.dump(results, f)
     finally:
         dist.destroy_process_group()
+
+
+def plan_worker(rank: int, world: int, port: int, model_dir: str, out_file: str, failing: int) -> None:
+    """ranks.py's start-up as `swiftwrite generate --tp` runs it, with rank `failing` unable to load its shard (its
+    load raises MemoryError, as a machine short of memory would): what rank 0 says, and what each rank returns."""
+    import os
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from swiftwrite import parallel, ranks
+    from swiftwrite.errors import UserError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    if rank == failing:
+        def short_of_memory(*args, **kwargs):
+            raise MemoryError("cannot allocate 326 MB")
+
+        parallel.load_sharded = short_of_memory  # what Rank.follow / Rank.lead call, looked up at the call
+    here = ranks.join()
+    if rank:
+        Path(f"{out_file}.rank{rank}").write_text(json.dumps({"returned": here.follow()}))
+        return
+    lm = SimpleNamespace(ref=SimpleNamespace(path=Path(model_dir)), device="cpu", dtype=torch.float32,
+                         attention="auto")
+    try:
+        here.lead(lm, log=lambda msg: None)
+        said = None
+    except UserError as e:
+        said = str(e)
+    finally:
+        here.release()
+    Path(f"{out_file}.rank0").write_text(json.dumps({"said": said}))
