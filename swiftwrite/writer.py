@@ -293,24 +293,19 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
                     display.info(moved)
                 if intr.signum:
                     break
-            if rank_lost:  # every token committed so far is sound: the lost step committed none
-                checkpoint()
-                display.update(progress(), force=True)
-                display.stop()
-                out.flush()
-                print(f"swiftwrite: {lost(rank_lost[0])} at {done}/{target} tokens; the run is saved. Continue with: "
-                      f"{resume_command(rd)}", file=sys.stderr, flush=True)
-                return 128 + intr.signum if intr.signum else 1
-            if intr.signum and done < target:  # a signal on the very last step is simply a finished run
-                stopped = "signal"
+            # a signal on the very last step is simply a finished run; a lost rank's step committed nothing, so
+            # every token before it is sound
+            if rank_lost or (intr.signum and done < target):
+                stopped = None if rank_lost else "signal"
                 checkpoint()
                 display.update(progress(), force=True)
                 display.stop()
                 out.flush()
                 # Printed even with --quiet: without it an interrupted run is easy to lose.
-                print(f"swiftwrite: interrupted at {done}/{target} tokens; the run is saved. Continue with: "
+                why = lost(rank_lost[0]) if rank_lost else "interrupted"
+                print(f"swiftwrite: {why} at {done}/{target} tokens; the run is saved. Continue with: "
                       f"{resume_command(rd)}", file=sys.stderr, flush=True)
-                return 128 + intr.signum
+                return 128 + intr.signum if intr.signum else 1
             if stopped == "loop":  # pending text stays pending, as at an interruption: the resume completes it
                 checkpoint()
             else:
