@@ -1,0 +1,147 @@
+"""The llama.cpp backend (swiftwrite/ggmlmodel.py) behind the engine, on a tiny random GGUF written in-process
+(tests/gguf_tiny.py: llama architecture, Q4_0/Q4_1/Q8_0/F16 tensors, a byte-level tokenizer).
+
+Properties: the start-up probe passes here (a batch's and a tree's rows carry a single step's bits) and catches a
+backend whose batches differ; speculative output equals plain output token for token with every train-free source,
+greedy and sampled, across context rebuilds; a run restarted from its committed tokens (resume) continues exactly;
+the cache keeps only the accepted path. CI installs llama-cpp-python and sets SWIFTWRITE_REQUIRE_GGML=1, so there
+these tests fail rather than skip when the binding is missing."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from gguf_tiny import write_gguf
+from swiftwrite.engine import Engine, make_sources
+from swiftwrite.sampling import Sampler, SamplerSettings
+from swiftwrite.window import Window
+
+if not os.environ.get("SWIFTWRITE_REQUIRE_GGML"):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'swiftwrite[ggml]')")
+
+from swiftwrite import ggmlmodel  # noqa: E402
+from swiftwrite.ggmlmodel import GgmlModel  # noqa: E402
+from swiftwrite.model import ModelConfig  # noqa: E402
+
+VOCAB, CONTEXT = 96, 256
+SETTINGS = {
+    "greedy": SamplerSettings(),  # no penalty: a random model loops, and the loop is what drafts get accepted on
+    "greedy-penalty": SamplerSettings(penalty=1.3, window=32),
+    "sample": SamplerSettings(temperature=0.8, min_p=0.1, penalty=1.3, window=32, seed=3),
+}
+
+
+def tiny_config() -> ModelConfig:
+    return ModelConfig(arch="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, n_layers=2, n_heads=4,
+                       n_kv_heads=2, head_dim=16, rms_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                       max_positions=CONTEXT, tie_embeddings=True, attn_bias=False, qk_norm=False, bos_token_id=94,
+                       eos_token_ids=(95,))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", vocab=VOCAB, tied=True)
+    m = GgmlModel(path, tiny_config(), threads=2, flash_attn=1)
+    m.check_rows()  # sets the rows one decode may carry, as loading does
+    yield m
+    m.close()
+
+
+def prompt(n=24):
+    return torch.randint(3, VOCAB - 3, (n,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def generate(model, settings, names=(), n=600, history=None, budget=8):
+    sources, stats = make_sources(list(names), VOCAB)
+    p = prompt()
+    history = history or p
+    engine = Engine(model, Sampler(settings, VOCAB), Window(CONTEXT, len(p)), sources, stats,
+                    budget=budget if names else None, capacity=len(p) + n + len(history) + 1)
+    engine.start(history)
+    steps = list(engine.run(n))
+    return [t for s in steps for t in s.tokens], steps
+
+
+def test_the_probe_passes_here_with_flash_attention_and_finds_batches_that_keep_the_bits(model):
+    assert model.check_rows() is None
+    assert model.max_rows >= 16  # trees of the automatic budget's sizes fit one exact batch
+
+
+def test_the_probe_catches_a_batch_whose_rows_differ_from_single_steps(model, monkeypatch):
+    real = GgmlModel.forward
+
+    def noisy(self, ids, positions, cache, mask=None, logits_for=None, kv=None):
+        logits, hidden = real(self, ids, positions, cache, mask, logits_for, kv)
+        if ids.shape[0] > 1:  # what a batch kernel summing in another order does to the last bits
+            logits = logits + 1e-6 * torch.arange(logits.shape[0]).unsqueeze(1)
+        return logits, hidden
+
+    monkeypatch.setattr(GgmlModel, "forward", noisy)
+    assert "batch" in model.check_rows()
+    assert model.max_rows == 1  # prefill then runs a token at a time: resume stays exact
+    monkeypatch.undo()
+    assert model.check_rows() is None
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("draft", ["recycling", "ngram", "recycling+ngram"])
+def test_speculative_equals_plain_across_context_rebuilds(model, setting, draft):
+    plain, _ = generate(model, SETTINGS[setting])
+    spec, steps = generate(model, SETTINGS[setting], draft.split("+"))
+    assert spec == plain
+    assert any(s.rebuilt for s in steps)  # 600 tokens in a 256-token window: the context was rebuilt
+    if setting == "greedy":  # the random model loops: drafts must have been accepted, or nothing was tested
+        assert sum(len(s.tokens) - 1 for s in steps) > 100
+
+
+@pytest.mark.parametrize("setting", ["greedy-penalty", "sample"])
+def test_a_restart_from_the_committed_tokens_continues_exactly(model, setting):
+    """What resume does: a fresh cache filled from the tokens by batched prefill, where the uninterrupted run had
+    written them one step (or one tree) at a time."""
+    whole, _ = generate(model, SETTINGS[setting], ["recycling", "ngram"], n=300)
+    first = whole[:170]
+    rest, _ = generate(model, SETTINGS[setting], ["recycling", "ngram"], n=130, history=prompt() + first)
+    assert first + rest == whole
+
+
+@pytest.mark.parametrize("accepted", [[0, 1, 3], [0, 2], [0]])
+def test_compaction_keeps_the_accepted_path_and_drops_the_other_branches(model, accepted):
+    """After a tree step the cache must hold exactly the context plus the accepted path, in one sequence, in cells
+    in position order: the next single step then computes what it computes after plain steps. The first child's
+    chain (7, 11) is kept in place; another branch (9) is written again."""
+    ids = torch.tensor(prompt(12))
+    cache = model.new_cache(64)
+    ref = model.new_cache(64)
+    model.forward(ids, torch.arange(12), cache)
+    cache.length = 12
+    model.forward(ids, torch.arange(12), ref)
+    ref.length = 12
+    # a tree: root (5), children 7 and 9, grandchild 11 under 7
+    tokens = torch.tensor([5, 7, 9, 11])
+    anc = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    model.forward(tokens, 12 + torch.tensor([0, 1, 1, 2]), cache, anc)
+    cache.compact(12, torch.tensor(accepted))
+    for i in accepted:  # the same path, one step at a time
+        model.forward(tokens[i : i + 1], torch.tensor([ref.length]), ref)
+        ref.length += 1
+    end = 12 + len(accepted)
+    for t in (3, 4, 6):
+        after, _ = model.forward(torch.tensor([t]), torch.tensor([cache.length]), cache)
+        expect, _ = model.forward(torch.tensor([t]), torch.tensor([ref.length]), ref)
+        cache.length += 1
+        ref.length += 1
+        assert torch.equal(after, expect)
+    lib = model.lib
+    assert lib.llama_memory_seq_pos_max(cache.mem, cache.main) == end + 2
+    assert all(lib.llama_memory_seq_pos_max(cache.mem, s) == -1 for s in range(ggmlmodel.MAX_SEQS) if s != cache.main)
+
+
+def test_a_file_llama_cpp_cannot_load_is_one_sentence(tmp_path):
+    bad = tmp_path / "cut.gguf"
+    whole = write_gguf(tmp_path / "whole.gguf", vocab=VOCAB, tied=True).read_bytes()
+    bad.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ggmlmodel.UserError, match="llama.cpp cannot load .*--backend torch"):
+        GgmlModel(bad, tiny_config(), threads=1)
