@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .forward import Cache, Forward
+
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 MAX_BUDGET = 63  # draft nodes; a forward over 64 tokens is the largest size measured
 
@@ -26,7 +28,7 @@ class CostCurve:
         self.sizes = np.asarray(sizes, dtype=np.float64)
         self.seconds = np.asarray(seconds, dtype=np.float64)
         self.clean = True  # False: measured on a busy machine, kept for this run only
-        # rows[n]: the row count a forward over n tokens really runs (model.tree_rows on a float32 CPU model, set
+        # rows[n]: the row count a forward over n tokens really runs (ops.tree_rows on a float32 CPU model, set
         # by padded()); None: n itself. The curve is measured at sizes the padding keeps, so it holds for both.
         self.rows: np.ndarray | None = None
         self._table: np.ndarray | None = None  # cost(1..m), kept: the automatic budget reads it every step
@@ -37,7 +39,7 @@ class CostCurve:
         return np.interp(n, self.sizes, self.seconds)
 
     def padded(self, tree_rows) -> "CostCurve":
-        """This curve for a model whose tree forwards run over tree_rows(n) rows (model.tree_rows)."""
+        """This curve for a model whose tree forwards run over tree_rows(n) rows (ops.tree_rows)."""
         self.rows = np.array([tree_rows(n) if n else 0 for n in range(int(self.sizes[-1]) + 1)])
         self._table = None
         return self
@@ -71,7 +73,7 @@ def best_budget(scores: list[float], cost: CostCurve, cap: int = MAX_BUDGET, sca
     return least + int(np.argmax(gain[least:] / cost.upto(len(gain))[least:]))
 
 
-def measure(model, cache, reps: int = 3, sizes=SIZES, tries: int = 3) -> CostCurve:
+def measure(model: Forward, cache: Cache, reps: int = 3, sizes=SIZES, tries: int = 3) -> CostCurve:
     """Time forwards of n scratch tokens after the cache's committed slots (nothing is committed).
 
     A bigger forward never does less work, so a curve that falls by more than noise (another process took
@@ -87,7 +89,7 @@ def measure(model, cache, reps: int = 3, sizes=SIZES, tries: int = 3) -> CostCur
     return curve
 
 
-def _measure_once(model, cache, reps: int, sizes) -> CostCurve:
+def _measure_once(model: Forward, cache: Cache, reps: int, sizes) -> CostCurve:
     free = cache.capacity - cache.length
     sizes = [n for n in sizes if n <= free]
     pos0 = max(0, cache.length)

@@ -143,7 +143,7 @@ def fit_dtype(cfg: Config, mcfg: "ModelConfig", device: str, dtype, say, world: 
 
 def attention_notes(cfg: Config, device: str, dtype) -> tuple[bool, list[str]]:
     """Whether CUDA graphs will be used, and a sentence for each GPU option that cannot be honoured here."""
-    from .model import attention_plan
+    from .attention import attention_plan
 
     tree, _, notes = attention_plan(cfg.attention, device, dtype)
     graphs = cfg.cuda_graphs

@@ -17,7 +17,7 @@ import torch
 
 from .budget import MAX_BUDGET, CostCurve, best_budget
 from .drafting import MAX_DEPTH, AcceptanceStats, DraftSource
-from .model import LeanModel
+from .forward import Forward
 from .ngram import NgramDrafter
 from .recycling import RecyclingDrafter
 from .sampling import Sampler
@@ -71,7 +71,7 @@ def make_sources(names: list[str], vocab: int, static_tree: bool = False, heads=
 class Engine:
     def __init__(
         self,
-        model: LeanModel,
+        model: Forward,
         sampler: Sampler,
         window: Window,
         sources: list[DraftSource] = (),

@@ -10,7 +10,7 @@ a node's blocks are a step's blocks). Products are handled in two steps. At load
 products whose single row rounds otherwise than the same row among others (`plan_pads`; measured on the model's
 device: torch's bfloat16 CPU matmul does, for the default model's down projection, 1,536 inputs, while every
 count from 2 to 64 agrees with the row padded to two), and decoding steps pad their row to two there
-(model.linear); the other products keep the cheaper one-row call. Then, for each product, the largest row count up to which every count gives each row the bits it has in a step (64 for
+(ops.linear); the other products keep the cheaper one-row call. Then, for each product, the largest row count up to which every count gives each row the bits it has in a step (64 for
 every product of the default model in bfloat16 and under int8 / int4 on this development machine); a tree's
 rows go through a product in pieces of at most that count. In float32 the matmul changes a row's bits from 4
 rows on for every shape, so pieces of 3 would read the weights five times per 16-node tree: float32 trees stay
@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import torch
 
+from .ops import linear
+
 MAX_ROWS = 64  # the largest forward a tree runs (budget.MAX_BUDGET + the root)
 _cache: dict[tuple, int | bool] = {}  # measurements per (weight, dtype, kernel, threads): 0.1-1 s each
 
 
 def _mm(w, x: torch.Tensor, pad: bool = False) -> torch.Tensor:
-    from .model import linear
-
     return linear(x, w, pad=pad)  # as the model computes it
 
 
@@ -72,7 +72,7 @@ def needs_pad(w, dtype: torch.dtype) -> bool:
 
 
 def plan_pads(model) -> dict[str, bool]:
-    """For each product of a half-precision model: whether a single row is padded to two (model.linear). ~0.5 s for
+    """For each product of a half-precision model: whether a single row is padded to two (ops.linear). ~0.5 s for
     the default model here, at load."""
     return {key: needs_pad(w, model.dtype) for key, (_, w) in products(model).items()}
 

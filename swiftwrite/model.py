@@ -11,304 +11,24 @@ extra small matmul is a visible share of a token's time.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from . import exact, quant, weightfiles
+from .attention import GpuAttention, attention
 from .config import ATTENTIONS
 from .errors import UserError
-
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    rms_eps: float
-    rope_theta: float
-    rope_scaling: dict | None  # None, or {"rope_type": "llama3"|"linear", ...}
-    max_positions: int
-    tie_embeddings: bool
-    attn_bias: bool  # qwen2: bias on q/k/v
-    qk_norm: bool  # qwen3: RMSNorm over each head of q and k before RoPE
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-
-    @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
-        arch = cfg.get("model_type", "")
-        heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-            scaling = None
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        return cls(
-            arch=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            n_layers=cfg["num_hidden_layers"],
-            n_heads=heads,
-            n_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-            rope_scaling=dict(scaling) if scaling else None,
-            # A sliding-window model attends to at most `sliding_window` tokens; capping the context there keeps
-            # every forward exact (the context rebuild of window.py takes over) without a banded mask.
-            max_positions=min(cfg.get("max_position_embeddings", 4096), cfg.get("sliding_window") or 1 << 62)
-            if cfg.get("sliding_window") and cfg.get("use_sliding_window", arch == "mistral") else cfg.get("max_position_embeddings", 4096),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attn_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
-
-
-def check_positions(positions: torch.Tensor, cfg: ModelConfig) -> None:
-    """Past the RoPE tables a forward would index out of range; the window logic must never let that happen."""
-    last = int(positions.max())
-    if last >= cfg.max_positions:
-        raise RuntimeError(f"position {last} is past the model's {cfg.max_positions}")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# RoPE
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    sc = cfg.rope_scaling
-    if not sc:
-        return inv
-    kind = sc.get("rope_type", sc.get("type"))
-    if kind == "linear":
-        return inv / sc["factor"]
-    if kind == "llama3":
-        # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, and the band between
-        # is interpolated linearly in 1/wavelength, so the model keeps local precision and gains range.
-        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
-        old = sc["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        smooth = ((old / wavelen) - lo) / (hi - lo)
-        blended = (1 - smooth) * inv / factor + smooth * inv
-        out = torch.where(wavelen > old / lo, inv / factor, blended)
-        return torch.where(wavelen < old / hi, inv, out)
-    raise UserError(f"RoPE scaling '{kind}' is not supported by the lean forward; use a model without it.")
-
-
-def rope_tables(cfg: ModelConfig, n_positions: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [n_positions, head_dim] in the half-split layout that Hugging Face checkpoints use."""
-    pos = torch.arange(n_positions, dtype=torch.float64)
-    ang = torch.outer(pos, rope_inv_freq(cfg))
-    ang = torch.cat([ang, ang], dim=-1)
-    return ang.cos().to(device, dtype), ang.sin().to(device, dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [heads, n, head_dim]; cos/sin: [n, head_dim]
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
-def tree_rows(n: int) -> int:
-    """Rows a float32 tree forward on a CPU runs its products over: n, or a few more zero rows where that is
-    faster. The BLAS kernel behind `linear` is fast at row counts that are multiples of 8 (and at some others)
-    and slow in between: the default model's products per forward over 15 rows cost 106.9 ms, over 16 rows
-    47.3 ms, over 23 rows 112.1 ms, over 24 rows 65.9 ms (bench/row_padding.py, 2026-12-03 10:10 UTC, this 2-core
-    AVX2 machine). So 3 and 7 rows run as 4 and 8, 9..15 as 16, and above 16 the counts that measured slow (n % 8 of
-    3, 5, 6 or 7) as the next multiple of 8; 5, 6, 17, 18 and 20 stay (their padded count cost as much or more)."""
-    if n in (3, 7):
-        return n + 1
-    if 8 < n <= 16:
-        return 16
-    if n > 16 and n % 8 in (3, 5, 6, 7):
-        return n + 8 - n % 8
-    return n
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, rows: int | None = None,
-           pad: bool = False, grow: int = 0) -> torch.Tensor:
-    """x @ w.T. In float32 on a CPU, computing (w @ x.T).T for a few rows picks a BLAS kernel that reads the
-    weight once for all rows; F.linear's small-M path on this CPU class costs nearly n times a single row
-    (bench/forward_cost.py measured 176 us vs 118 us for 2 rows of a 3072x576 matrix, 429 vs 325 us for 16),
-    and one row alone is padded to two (a one-row GEMV ran the 49,152x576 LM head at 6.8 ms vs 2.2 ms).
-    In bfloat16 the same trick is a loss (the LM head at 3.8 ms vs 1.65 ms, a whole 1-token forward of the
-    default model 27.6 ms vs 17.3 ms, bench/dtype_cost.py), and on a GPU F.linear is cuBLAS's own path.
-    A quantized weight (quant.py, --weights int8/int4) runs its own kernel.
-
-    `pad` (half precision, for the products exact.needs_pad finds) pads one row to two as well, for
-    exactness rather than speed: torch's bfloat16 matmul gives a single row other bits than the same row among
-    2..64 rows for the default model's down projection (1,536 inputs), while every count from 2 up agrees, so with
-    the pad a decoding step and a tree's node round alike. `rows` (a tree's forward on an exact model, exact.py):
-    at most that many rows per product, a count measured to give each row the bits it has in a step.
-
-    `grow` (a float32 tree on a CPU: tree_rows): run the product over that many rows, the real ones first and
-    zeros after, and keep the real ones. Each row's result is its own (a product has no cross-row terms); float32
-    trees already differ from single steps in the last bits (see LeanModel.exact_rows), padding or not."""
-    if rows is not None and x.shape[0] > rows:
-        return torch.cat([linear(piece, w, b, pad=pad) for piece in x.split(rows)])
-    if not isinstance(w, torch.Tensor):
-        y = w.mm(x)
-        return y + b if b is not None else y
-    if x.device.type != "cpu" or x.dtype != torch.float32:
-        return F.linear(x.repeat(2, 1), w, b)[:1] if pad and x.shape[0] == 1 else F.linear(x, w, b)
-    n = x.shape[0]
-    if n == 1:
-        y = (w @ x.repeat(2, 1).t())[:, :1].t()
-    elif grow > n:
-        y = (w @ torch.cat([x, x.new_zeros(grow - n, x.shape[1])]).t())[:, :n].t()
-    else:
-        y = (w @ x.t()).t()
-    return y + b if b is not None else y
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [H, n, D] against k, v [KV, T, D] with a bool mask [n, T] (None: all visible). Returns [n, H*D].
-
-    The query heads that share a KV head are stacked into one matrix ([KV, group*n, D]) so each KV head is
-    read once, without copying K/V per query head. torch's SDPA falls back to a slower materialising path
-    whenever a mask is given on CPU; this is the same math in three batched ops.
-    """
-    H, n, D = q.shape
-    KV = k.shape[0]
-    g = H // KV
-    qg = q.reshape(KV, g * n, D)
-    scores = torch.bmm(qg, k.transpose(1, 2)).mul_(scale)
-    if mask is not None:
-        scores = scores.view(KV, g, n, -1).masked_fill_(~mask, float("-inf")).view(KV, g * n, -1)
-    probs = torch.softmax(scores, dim=-1)
-    o = torch.bmm(probs, v)  # [KV, g*n, D]
-    return o.view(H, n, D).transpose(0, 1).reshape(n, H * D)
-
-
-def attention_plan(choice: str, device_type: str, dtype: torch.dtype) -> tuple[bool, bool, list[str]]:
-    """Which kernels a forward on this device uses for `choice` (config.ATTENTIONS): (the Triton tree kernel,
-    flash-attn), plus one sentence for every kernel that was asked for but cannot run here, naming what is used
-    instead. `auto` asks for nothing, so it never explains: it takes what runs and uses torch for the rest."""
-    notes: list[str] = []
-    tree = flash = False
-    if choice == "triton" or (choice != "torch" and device_type == "cuda"):
-        from .kernels import tree_attention as ta  # imports triton, if installed: not done on a CPU unasked
-
-        # the kernel runs on a GPU, or on the CPU inside Triton's interpreter (how the tests run it)
-        tree = ta.available() and (device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
-        if choice == "triton" and not tree:
-            notes.append("--attention triton: " + ("triton is not installed (`pip install triton`)" if not ta.available()
-                                                   else "the Triton kernel needs a CUDA GPU") + "; using torch attention.")
-    if choice in ("auto", "flash") and device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        try:
-            import flash_attn  # noqa: F401
-
-            flash = True
-        except ImportError:
-            pass
-    if choice == "flash" and not flash:
-        why = ("it needs a CUDA GPU" if device_type != "cuda" else
-               "it needs bfloat16 or float16 (--dtype)" if dtype not in (torch.float16, torch.bfloat16) else
-               "flash-attn is not installed (`pip install flash-attn`)")
-        notes.append(f"--attention flash: {why}; using " + ("the Triton kernel for trees and " if tree else "")
-                     + "torch attention for prefill and single steps.")
-    return tree, flash, notes
-
-
-class GpuAttention:
-    """Attention kernels for CUDA (or, for tests, the Triton interpreter on the CPU). `tree` is the Triton
-    tree-verification kernel from kernels/ (n <= 64 nodes against the cache plus their ancestors); `flash`
-    is flash-attn's causal kernel for prefill and single-token steps (bfloat16/float16 only). Either may be
-    None; then `attention` above does the work. `notes` say which asked-for kernel could not be used."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype, choice: str):
-        self.tree = self.flash = None
-        tree, flash, self.notes = attention_plan(choice, device.type, dtype)
-        if tree:
-            from .kernels import tree_attention
-
-            self.tree = tree_attention
-        if flash:
-            from flash_attn import flash_attn_func
-
-            self.flash = flash_attn_func
-
-    def tree_bits(self, mask: torch.Tensor | None, n: int):
-        """The kernel's ancestry bitmasks for a [n, n] tree mask, or None when the kernel does not apply."""
-        if self.tree is None or mask is None or n < 2 or mask.shape[1] != n or n > self.tree.MAX_NODES:
-            return None
-        return self.tree.ancestry_bits(mask)
-
-    def flash_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [H, n, D] of the last n positions, k/v [KV, T, D] including them -> [n, H*D]. flash-attn aligns
-        its causal mask to the bottom right, which is exactly "each new token sees the cache and its past"."""
-        H, n, D = q.shape
-        o = self.flash(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                       softmax_scale=scale, causal=n > 1)
-        return o[0].reshape(n, H * D)
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# KV cache
-
-
-class KVCache:
-    """Keys and values for every layer, preallocated once: [layers, kv_heads, capacity, head_dim].
-
-    Slots are positions in this buffer, not token positions: after a context rebuild the same slot holds a
-    token at another absolute position. `length` counts committed slots; a forward writes after them.
-    """
-
-    def __init__(self, cfg: ModelConfig, capacity: int, device, dtype):
-        shape = (cfg.n_layers, cfg.n_kv_heads, capacity, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.capacity = capacity
-        self.length = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
-
-    @staticmethod
-    def bytes_needed(cfg: ModelConfig, capacity: int, dtype) -> int:
-        return 2 * cfg.n_layers * cfg.n_kv_heads * capacity * cfg.head_dim * torch.finfo(dtype).bits // 8
-
-    def compact(self, start: int, keep: torch.Tensor) -> None:
-        """Move the slots `start + keep[i]` to `start + i` (the accepted path of a tree) in all layers."""
-        n = keep.numel()
-        if n and not bool((keep == torch.arange(n, device=keep.device)).all()):
-            src = keep + start
-            self.k[:, :, start : start + n] = self.k[:, :, src]
-            self.v[:, :, start : start + n] = self.v[:, :, src]
-        self.length = start + n
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Model
+from .kvcache import KVCache
+from .modelconfig import SUPPORTED_ARCHS, ModelConfig, check_positions, read_hf_config
+from .ops import apply_rope, linear, rms_norm, rope_tables, tree_rows
 
 
 class LeanModel:
+    """The forward of forward.Forward for the Llama family, every weight a plain tensor (or a quant.py kernel)."""
+
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device="cpu", dtype=torch.float32,
                  attention: str = "auto", quantized: dict | None = None):
         """`quantized` (quant.quantize / quant.load_or_build): the products as Int8Weight / Int4Weight, by their
@@ -364,9 +84,7 @@ class LeanModel:
         # compute a step's row alike
         self.pads: dict[str, bool] = {}
         if not quantized and self.exact_rows:
-            from .exact import plan_pads
-
-            self.pads = plan_pads(self)
+            self.pads = exact.plan_pads(self)
         self.cos, self.sin = rope_tables(cfg, cfg.max_positions, self.device, dtype)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         if attention not in ATTENTIONS:
@@ -455,9 +173,7 @@ class LeanModel:
     def _exact_rows(self) -> dict[str, int]:
         """The products' piece sizes for a tree's rows (exact.py), measured once per product shape and process."""
         if self.rows is None:
-            from .exact import plan_rows
-
-            self.rows = plan_rows(self)[0]
+            self.rows = exact.plan_rows(self)[0]
         return self.rows
 
     @staticmethod
@@ -567,36 +283,6 @@ class LeanModel:
                       self.pads.get("lm_head", False), grow).float()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Loading
-
-
-def read_hf_config(model_dir: Path) -> dict:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise UserError(f"{model_dir} has no config.json; point --model at a Hugging Face-format model directory.")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e}); re-download or re-convert the model.") from None
-
-
-def load_safetensors_dir(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise UserError(f"{model_dir} has no .safetensors weights; convert the checkpoint to safetensors first.")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            weights.update(load_file(str(f)))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise UserError(f"{f} is corrupt or truncated ({e}); delete it and fetch the model again.") from None
-    return weights
-
-
 def load_lean(model_dir: Path, device="cpu", dtype=torch.float32, attention: str = "auto", weights: str = "float",
               log=lambda msg: None) -> LeanModel:
     """The lean model from a Hugging Face-format directory. `weights` (config.WEIGHTS, resolved): "float" holds
@@ -608,12 +294,8 @@ def load_lean(model_dir: Path, device="cpu", dtype=torch.float32, attention: str
         raise UserError(f"{model_dir}/config.json is not a usable model configuration (missing or bad {e}).") from None
     if cfg.arch not in SUPPORTED_ARCHS:
         raise UserError(f"architecture '{cfg.arch}' is not in the lean forward's family {SUPPORTED_ARCHS}")
-    from . import weightfiles
-
     try:
         if weights in ("int8", "int4"):
-            from . import quant
-
             source = weightfiles.open_weights(model_dir)
             quantized, floats = quant.load_or_build(model_dir, source, cfg, weights, log)
             return LeanModel(cfg, floats, device, dtype, attention, quantized=quantized)
@@ -621,7 +303,7 @@ def load_lean(model_dir: Path, device="cpu", dtype=torch.float32, attention: str
             tensors = weightfiles.load_all(weightfiles.open_weights(model_dir))
             weightfiles.keep_float_copy(Path(model_dir), tensors, log)
         else:
-            tensors = load_safetensors_dir(model_dir)
+            tensors = weightfiles.load_safetensors_dir(model_dir)
         return LeanModel(cfg, tensors, device, dtype, attention)
     except KeyError as e:
         raise UserError(f"{model_dir} lacks the weight {e}; the checkpoint is incomplete or not {cfg.arch}.") from None

@@ -36,7 +36,10 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
+from . import paths
 from .errors import UserError
 
 GROUP = 32  # int4 inputs per scale/zero pair: the smallest group the kernel takes, the finest approximation
@@ -196,20 +199,16 @@ def quantize(weights, cfg, setting: str) -> dict[str, object]:
 
 
 def packed_path(model_dir: Path, setting: str) -> Path:
-    from . import store
-
     model_dir = Path(model_dir).resolve()
-    models = (store.home() / "models").resolve()
+    models = (paths.home() / "models").resolve()
     base = model_dir / "quantized" if models in model_dir.parents else \
-        store.home() / "quantized" / store.fingerprint(model_dir)
+        paths.home() / "quantized" / paths.fingerprint(model_dir)
     tag = f"int4-g{GROUP}-torch{'.'.join(torch.__version__.split('+')[0].split('.')[:2])}" if setting == "int4" else "int8"
     return base / f"{tag}-v{FORMAT}.safetensors"
 
 
 def save(path: Path, q: dict[str, object], meta: dict[str, str]) -> None:
     """Atomically: a temporary file in the same directory, renamed into place when complete."""
-    from safetensors.torch import save_file
-
     tensors: dict[str, torch.Tensor] = {}
     for key, w in q.items():
         if key == "embed" and w is q.get("lm_head"):
@@ -235,8 +234,6 @@ def save(path: Path, q: dict[str, object], meta: dict[str, str]) -> None:
 
 def load(path: Path, fingerprint: str) -> dict[str, object] | None:
     """The stored quantized weights, or None when the file is missing, damaged or made from other weights."""
-    from safetensors import SafetensorError, safe_open
-
     if not path.is_file():
         return None
     try:
@@ -260,9 +257,7 @@ def load(path: Path, fingerprint: str) -> dict[str, object] | None:
 def load_or_build(model_dir: Path, weights, cfg, setting: str, log=lambda msg: None):
     """(quantized products, the float tensors the forward still needs: norms, biases). `weights` is the model's
     weightfiles reader; once the quantized file exists only the float tensors are read from it."""
-    from . import store
-
-    fp = store.fingerprint(Path(model_dir))
+    fp = paths.fingerprint(Path(model_dir))
     path = packed_path(model_dir, setting)
     skip = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")  # the quantized ones
     floats = {k: weights[k] for k in weights.keys() if not k.endswith(skip)}

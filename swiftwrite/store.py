@@ -26,18 +26,11 @@ from pathlib import Path
 import yaml
 
 from .errors import UserError, first_line
+from .modelconfig import SUPPORTED_ARCHS
+from .paths import GGUF_FILE, META_FILE, _compute_fingerprint, fingerprint, home  # noqa: F401 (store.home, ...)
+from .weightfiles import keep_float_copy
 
 DEFAULT_MODEL = "smollm2-135m"
-META_FILE = "swiftwrite.json"
-GGUF_FILE = "model.gguf"  # a store model imported from a GGUF keeps it under this name (weightfiles.py reads it)
-
-
-def home() -> Path:
-    env = os.environ.get("SWIFTWRITE_HOME")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "swiftwrite"
 
 
 def registry() -> dict[str, dict]:
@@ -53,30 +46,6 @@ class ModelRef:
 
 # ---------------------------------------------------------------------------------------------------------
 # Fingerprints
-
-
-def fingerprint(model_dir: Path) -> str:
-    """The store's recorded fingerprint; for other directories, sha256 over config.json and each weight file's name,
-    size and first MiB (its header: names, shapes, offsets). Cheap (no full read of GBs) and it changes with any
-    re-conversion."""
-    meta = model_dir / META_FILE
-    if meta.is_file():
-        try:
-            return json.loads(meta.read_text())["fingerprint"]
-        except (ValueError, KeyError):
-            pass
-    return _compute_fingerprint(model_dir)
-
-
-def _compute_fingerprint(model_dir: Path, prefer_gguf: bool = True) -> str:
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    kept = model_dir / GGUF_FILE  # the store's layout: the safetensors beside it are its derived float copy
-    for f in [kept] if prefer_gguf and kept.is_file() else sorted(model_dir.glob("*.safetensors")):
-        h.update(f.name.encode())
-        h.update(str(f.stat().st_size).encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
-    return h.hexdigest()[:16]
 
 
 def sha256_file(path: Path) -> str:
@@ -160,8 +129,6 @@ def import_gguf(gguf_path: Path, name: str, source: str, log=lambda msg: None, d
     model, and every run made with it, name that fingerprint (the copy is byte-identical to the old conversion's).
     Any other architecture runs through transformers, which needs float safetensors: it is de-quantised to
     float32 here, once."""
-    from .model import SUPPORTED_ARCHS
-
     dest = home() / "models" / name
     if (dest / META_FILE).is_file():
         return dest
@@ -185,8 +152,6 @@ def import_gguf(gguf_path: Path, name: str, source: str, log=lambda msg: None, d
             digest = digest or sha256_file(tmp / GGUF_FILE)
             fp = hashlib.sha256((tmp / "config.json").read_bytes() + digest.encode()).hexdigest()[:16]
             if float_copy:
-                from .weightfiles import keep_float_copy
-
                 log("writing its float32 copy too (the default float runs read it)")
                 keep_float_copy(tmp)
                 if (tmp / "model.safetensors").is_file():

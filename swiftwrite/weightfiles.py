@@ -13,13 +13,19 @@ import of the same file holds (tests/test_weightfiles.py checks both on a writte
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
+from gguf import GGUFReader, dequantize
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 
 from .errors import UserError
-from .store import GGUF_FILE
+from .paths import GGUF_FILE
 
 # GGUF name (gguf-py's TensorNameMap for the llama family) -> Hugging Face name
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -58,8 +64,6 @@ class SafetensorsWeights:
     """The tensors of a directory's *.safetensors files, read lazily."""
 
     def __init__(self, files: list[Path]):
-        from safetensors import SafetensorError, safe_open
-
         self._where: dict[str, Path] = {}
         self._handles = {}
         for f in files:
@@ -77,8 +81,6 @@ class SafetensorsWeights:
         return name in self._where
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from safetensors import SafetensorError
-
         f = self._where[name]
         try:
             return self._handles[f].get_tensor(name)
@@ -91,8 +93,6 @@ class GGUFWeights:
 
     def __init__(self, path: Path):
         try:
-            from gguf import GGUFReader
-
             self._reader = GGUFReader(str(path))
         except Exception as e:  # noqa: BLE001 - gguf raises what numpy raises for a damaged file
             raise UserError(f"{path} cannot be read as a GGUF file ({str(e)[:120]}); delete the model and import it "
@@ -122,9 +122,6 @@ class GGUFWeights:
         return self._tensors[name].tensor_type.name
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        import numpy as np
-        from gguf import dequantize
-
         t = self._tensors[name]
         try:
             w = dequantize(t.data, t.tensor_type)
@@ -150,6 +147,20 @@ def open_weights(model_dir: Path) -> SafetensorsWeights | GGUFWeights:
                     "fetch the model again.")
 
 
+def load_safetensors_dir(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a directory's *.safetensors files, at once (a float model's load)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{model_dir} has no .safetensors weights; convert the checkpoint to safetensors first.")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            weights.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise UserError(f"{f} is corrupt or truncated ({e}); delete it and fetch the model again.") from None
+    return weights
+
+
 def load_all(weights: SafetensorsWeights | GGUFWeights) -> dict[str, torch.Tensor]:
     return {k: weights[k] for k in weights.keys()}
 
@@ -160,11 +171,6 @@ def keep_float_copy(model_dir: Path, tensors: dict[str, torch.Tensor] | None = N
     makes the directory a complete Hugging Face checkpoint. Nothing to do for a directory that has safetensors.
     Atomic (a temporary file renamed into place); a store that cannot take it is told, not an error: the GGUF is
     read again next time. `tensors`: the de-quantized weights when the caller already holds them."""
-    import os
-    import tempfile
-
-    from safetensors.torch import save_file
-
     model_dir = Path(model_dir)
     if any(model_dir.glob("*.safetensors")) or not (model_dir / GGUF_FILE).is_file():
         return

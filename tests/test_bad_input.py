@@ -376,7 +376,7 @@ def test_quantized_weights_are_refused_where_they_cannot_run(tmp_path):
 
 
 def test_attention_choices_say_why_they_fall_back(monkeypatch):
-    from swiftwrite.model import attention_plan
+    from swiftwrite.attention import attention_plan
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert attention_plan("auto", "cpu", torch.float32) == (False, False, [])

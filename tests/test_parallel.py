@@ -12,7 +12,8 @@ import torch
 import torch.multiprocessing as mp
 
 from swiftwrite.errors import UserError
-from swiftwrite.model import LeanModel, ModelConfig, load_lean, load_safetensors_dir, read_hf_config
+from swiftwrite.model import LeanModel, ModelConfig, load_lean, read_hf_config
+from swiftwrite.weightfiles import load_safetensors_dir
 from swiftwrite.parallel import check_divides, shard
 from tiny_lossless import SETTINGS, tiny_model
 from tp_worker import run, worker
