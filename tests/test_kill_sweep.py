@@ -1,4 +1,4 @@
-"""A small kill sweep (bench/kill_sweep.py) in CI: six SIGKILLs (five kill points, one of them killed twice) at
+"""A small kill sweep (tests/killsweep.py, which bench/kill_sweep.py runs at full size) in CI: six SIGKILLs (five kill points, one of them killed twice) at
 chosen moments of real `swiftwrite generate` / `resume` subprocesses on a tiny random model, each resumed to
 completion and compared with an uninterrupted run, token for token and byte for byte, and checked to hold
 exactly --tokens tokens.
@@ -13,15 +13,12 @@ fraction of the run. Greedy runs use --context 128 (four rebuilds), sampled ones
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+import killsweep
 T = 96  # tokens of the plain runs: twelve checkpoints
 CHUNK = 8
 CONTEXT = 128  # the rebuild variant: a 41-token prompt, so the context is rebuilt at 88, 133, 178 and 223 tokens
@@ -30,11 +27,8 @@ SEED = int(os.environ.get("SWIFTWRITE_TEST_KILL_SEED", "20260101"))
 
 
 def load_sweep():
-    spec = importlib.util.spec_from_file_location("kill_sweep", ROOT / "bench" / "kill_sweep.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["kill_sweep"] = mod  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(mod)
-    return mod
+    """The kill sweep's machinery (tests/killsweep.py); kept for the tests that import it from here."""
+    return killsweep
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Outlines end to end: `swiftwrite generate --outline / --plan / --plan-only` and `resume` as subprocesses, on the
-kill sweep's tiny random model (bench/kill_sweep.py: the default model's tokenizer, an LM head that writes the
+kill sweep's tiny random model (tests/killsweep.py: the default model's tokenizer, an LM head that writes the
 ids of an English sentence, sentence ends included), with a small --context so the context is rebuilt several
 times. Properties: headings once each, in order, at sentence ends where the grace allows; sections within ±10%
 of their budgets; drafting = plain decoding; a run killed mid-section resumes to the same bytes; --plan's
@@ -14,8 +14,8 @@ import signal
 import pytest
 
 from swiftwrite import outline as ol
+import killsweep
 from test_cli import Background, clean_env, read_tokens, state_tokens, sw, text_of, wait_for
-from test_kill_sweep import load_sweep
 
 TOKENS = 300
 CONTEXT = 192  # the prompt with its outline is ~90 tokens: rebuilt every ~50 tokens
@@ -38,7 +38,7 @@ SAMPLED = ["--temperature", "0.8", "--seed", "5"]
 @pytest.fixture(scope="module")
 def work(tmp_path_factory, default_model_dir):
     w = tmp_path_factory.mktemp("outline-cli")
-    model = load_sweep().build_tiny_model(w / "tiny", default_model_dir)["path"]
+    model = killsweep.build_tiny_model(w / "tiny", default_model_dir)["path"]
     (w / "outline.md").write_text(OUTLINE)
     (w / "prompt.txt").write_text("A lighthouse keeper finds a message in a bottle.\n")
     return w, model
