@@ -6,21 +6,18 @@ curve of bench/forward_cost.py it gives the speed each budget can reach: tokens/
 """
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-import numpy as np
-
-from swiftwrite.bench import machine
+import common
 from swiftwrite.config import Config
 from swiftwrite.metrics import first_divergence
 from swiftwrite.loading import build_engine, load
 from swiftwrite.prompt import apply_template, prompt_ids, read_prompt
 from swiftwrite.ui import Display
 
-ROOT = Path(__file__).resolve().parent.parent
-ap = argparse.ArgumentParser()
+ROOT = common.ROOT
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--tokens", type=int, default=300)
 ap.add_argument("--budgets", default="4,16")
 ap.add_argument("--sources", default="recycling,ngram,heads,all")
@@ -56,7 +53,6 @@ for src in a.sources.split(","):
                      "first_divergence_vs_none": first_divergence(toks, ref)})
         print(f"{src:>10} budget {b:>2}: {tpf:.3f} tokens/forward  {rates}  diverges at {rows[-1]['first_divergence_vs_none']}",
               flush=True)
-report = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "tokens": a.tokens, "prompt": "lighthouse.txt (novel)",
+report = {"date": time.strftime("%Y-%m-%d"), "machine": common.machine(), "tokens": a.tokens, "prompt": "lighthouse.txt (novel)",
           "setting": setting, "penalty_window": 1024, "rows": rows}
-if a.out:
-    a.out.write_text(json.dumps(report, indent=1, default=float))
+common.write_report(a.out, report, default=float)

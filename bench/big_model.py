@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import common
+
+ROOT = common.ROOT
 
 SHAPE = dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, rope_theta=500000.0, context=8192)
 
@@ -103,11 +101,10 @@ def run_once(d: Path, prompt: Path, tokens: int, threads: int, stats: Path) -> d
     t0 = time.perf_counter()
     err = open(stats.with_suffix(".stderr"), "w+")
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
-    _, status, usage = os.wait4(p.pid, 0)  # this child's own rusage: its peak resident memory, loading included
+    rc, peak = common.wait_child(p.pid)  # this child's own rusage: its peak resident memory, loading included
     wall = time.perf_counter() - t0
     err.seek(0)
-    row = {"command": " ".join(cmd[3:]), "rc": os.waitstatus_to_exitcode(status), "wall_s": round(wall, 1),
-           "peak_rss_mib": round(usage.ru_maxrss / 1024), "stderr_tail": err.read()[-600:]}
+    row = {"command": " ".join(cmd[3:]), "rc": rc, "wall_s": round(wall, 1), "peak_rss_mib": round(peak / 2**20), "stderr_tail": err.read()[-600:]}
     if row["rc"] == 0 and stats.is_file():
         s = json.loads(stats.read_text())
         row.update(tokens=s.get("tokens"), tok_s=s.get("tokens_per_second"), seconds=s.get("seconds"))
@@ -134,9 +131,8 @@ def main() -> None:
     prompt = d / "prompt.txt"
     prompt.write_text("A lighthouse keeper finds a message in a bottle.\n")
     report = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                   f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') >> 30} GiB",
+        "date": common.now(),
+        "machine": common.machine(),  # a dict (cpu, cores, memory_gib, isa ...) since 2026-12; a string before
         "shape": {**SHAPE, "layers": a.layers, "vocab": json.loads((d / "config.json").read_text())["vocab_size"]},
         "parameters": params, "gguf_bytes": (d / "model.gguf").stat().st_size, "gguf_build_s": round(build_s, 1),
         "settings": {"tokens": a.tokens, "threads": a.threads, "weights": "int4", "draft": "none", "greedy": True},
@@ -152,7 +148,7 @@ def main() -> None:
     packed = quant.packed_path(d, "int4")
     report["int4_bytes"] = packed.stat().st_size if packed.is_file() else None
     report["float_copy_written"] = any(d.glob("*.safetensors"))
-    Path(a.out).write_text(json.dumps(report, indent=2) + "\n")
+    common.write_report(a.out, report, indent=2, newline=True)
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
     if not a.keep:
         shutil.rmtree(d, ignore_errors=True)

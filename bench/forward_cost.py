@@ -5,18 +5,17 @@ lean forward against transformers `generate`, in one run.
 """
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
+import common
 from swiftwrite import budget
-from swiftwrite.bench import machine
 from swiftwrite.model import load_lean
 from swiftwrite.store import resolve
 
-ap = argparse.ArgumentParser()
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--contexts", default="512,4096")
 ap.add_argument("--tokens", type=int, default=200, help="new tokens for the decoding comparison")
 ap.add_argument("--reps", type=int, default=5)
@@ -25,7 +24,7 @@ a = ap.parse_args()
 
 ref = resolve("smollm2-135m")
 model = load_lean(ref.path)
-report = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": ref.name, "cost_ms": {}}
+report = {"date": time.strftime("%Y-%m-%d"), "machine": common.machine(), "model": ref.name, "cost_ms": {}}
 for ctx in [int(c) for c in a.contexts.split(",")]:
     cache = model.new_cache(ctx + 64)
     ids = torch.randint(100, 40000, (ctx,), generator=torch.Generator().manual_seed(0))
@@ -46,9 +45,9 @@ keep_float_copy(ref.path)  # transformers reads safetensors: a GGUF store model'
 hf = AutoModelForCausalLM.from_pretrained(str(ref.path), dtype=torch.float32).eval()
 prompt = torch.randint(100, 40000, (64,), generator=torch.Generator().manual_seed(1))
 rates = {"lean": [], "generate": []}
-for _ in range(2):
-    cache = model.new_cache(64 + a.tokens + 1)
-    t = time.perf_counter()
+
+
+def lean(cache):
     logits, _ = model.forward(prompt, torch.arange(64), cache, logits_for=slice(-1, None))
     cache.length = 64
     tok = logits[-1].argmax().view(1)
@@ -56,14 +55,18 @@ for _ in range(2):
         logits, _ = model.forward(tok, torch.tensor([cache.length]), cache)
         cache.length += 1
         tok = logits[-1].argmax().view(1)
-    rates["lean"].append(a.tokens / (time.perf_counter() - t))
-    t = time.perf_counter()
+
+
+def generate():
     with torch.inference_mode():
         hf.generate(prompt[None], attention_mask=torch.ones(1, 64, dtype=torch.long), max_new_tokens=a.tokens,
                     min_new_tokens=a.tokens, do_sample=False, temperature=None, top_p=None, top_k=None)
-    rates["generate"].append(a.tokens / (time.perf_counter() - t))
+
+
+for _ in range(2):  # interleaved, each timed once per round
+    cache = model.new_cache(64 + a.tokens + 1)
+    rates["lean"].append(a.tokens / common.timed(lambda: lean(cache), reps=1, warmup=0))
+    rates["generate"].append(a.tokens / common.timed(generate, reps=1, warmup=0))
 report["greedy_tokens_per_second"] = {k: round(max(v), 1) for k, v in rates.items()}
 print("greedy decoding, tokens/s (best of 2, prefill included):", report["greedy_tokens_per_second"])
-if a.out:
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(report, indent=1))
+common.write_report(a.out, report)

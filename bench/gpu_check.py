@@ -1,7 +1,8 @@
 """One GPU check, for a machine with an NVIDIA GPU, torch, triton and transformers installed and no network.
 
     bash bench/gpu_check.sh [MODEL_DIR] [OUT_DIR]          (the shell wrapper: time limit, defaults)
-    python bench/gpu_check.py --model-dir DIR --out DIR     (this script)
+    python bench/gpu_check.py --model-dir DIR --out DIR     (this script; PYTHONPATH=. where swiftwrite is not
+                                                             installed: the wrapper sets it)
 
 MODEL_DIR: the converted default model (a Hugging Face directory as `swiftwrite models pull` writes it), or
 a folder holding the model's GGUF file split into parts (`*.gguf.part-*`, reassembled here). Without one, a
@@ -39,17 +40,17 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():  # a CPU run of the script: the kernel goes through Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import common  # noqa: E402
 from swiftwrite.config import Config  # noqa: E402
 from swiftwrite.metrics import first_divergence  # noqa: E402
 from swiftwrite.ui import dtype_name  # noqa: E402
+
+ROOT = common.ROOT
 
 # The default model's shape (SmolLM2-135M), for the random-weight stand-in.
 DEFAULT_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -124,8 +125,7 @@ def tp_check(work: Path, device: str, world: int, layers: int, n: int, budget: i
     import torch.multiprocessing as mp
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    import tp_cost
+    import tp_cost  # bench/tp_cost.py, a sibling
 
     from swiftwrite.model import load_lean
 
@@ -242,7 +242,6 @@ def save(report: dict, out: Path, t_start: float) -> None:
     """Write gpu_check.json and gpu_check.md with what is done so far: a run cut by the time limit still
     leaves its finished sections (and says it is incomplete)."""
     report["seconds"] = round(time.time() - t_start, 1)
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
     cost = report["forward_cost"]
     md = [f"# GPU check, {report['date']}" + ("" if report["complete"] else " (INCOMPLETE: cut short)"), "",
           f"device {report['device']} ({report['gpu']}), torch {report['torch']}, triton {report['triton']}, "
@@ -263,7 +262,7 @@ def save(report: dict, out: Path, t_start: float) -> None:
           "", "| method | new tokens (target) | tok/s | tok/forward |", "|---|---:|---:|---:|",
           *[f"| {r['method']} | {r['tokens']} ({r['target_tokens']}) | {r['tokens_per_second']} | {r['tokens_per_forward'] or '-'} |"
             for r in report["speed"]], ""]
-    (out / "gpu_check.md").write_text("\n".join(md))
+    common.write_report(out / "gpu_check.json", report, "\n".join(md))
 
 
 def _tp_lines(tp: dict) -> list[str]:
@@ -310,7 +309,7 @@ def main():
     t_start = time.time()
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": a.device,
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-              "torch": torch.__version__, "python": platform.python_version()}
+              "torch": torch.__version__, "python": platform.python_version(), "machine": common.machine()}
     try:
         import triton
 

@@ -12,6 +12,7 @@ MODEL_DIR="${1:-}"
 OUT="${2:-bench/results/gpu-$(date +%Y-%m-%d)}"
 PY="${PYTHON:-python3}"
 export SWIFTWRITE_HOME="${SWIFTWRITE_HOME:-/tmp/swiftwrite-gpu-home}"  # where a GGUF is converted
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # swiftwrite from this checkout: the GPU image does not install it
 if [ -n "$MODEL_DIR" ] && compgen -G "$MODEL_DIR/*.whl" > /dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --target /tmp/swiftwrite-gpu-site "$MODEL_DIR"/*.whl
   export PYTHONPATH="/tmp/swiftwrite-gpu-site${PYTHONPATH:+:$PYTHONPATH}"

@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import common
+from swiftwrite.metrics import distinct, first_divergence, longest_repeat
+from swiftwrite.rundir import PROGRESS, RunDir
 
-from swiftwrite.metrics import distinct, first_divergence, longest_repeat  # noqa: E402
-from swiftwrite.rundir import PROGRESS, RunDir  # noqa: E402
+ROOT = common.ROOT
 
 
 def swiftwrite(*args: str) -> list[str]:
@@ -208,11 +207,9 @@ def main():
     procs = write(a)
     segs = segments(a.run, a.segment)
     probes = probe(a.run, [int(x) for x in a.probe.split(",") if x], a.probe_tokens) if a.probe else []
-    from swiftwrite.bench import machine
-
     total_s = sum(s["seconds"] for s in segs)
     report = {
-        "started": started, "machine": machine(), "run": str(a.run), "prompt": a.prompt, "template": a.template,
+        "started": started, "machine": common.machine(), "run": str(a.run), "prompt": a.prompt, "template": a.template,
         "tokens": a.tokens, "generate_options": a.extra, "processes": procs,
         "total_generation_seconds": round(total_s, 1),
         "tokens_per_second": round(sum(s["tokens"] for s in segs) / total_s, 2) if total_s else None,
@@ -220,8 +217,7 @@ def main():
         "plain_estimate_seconds": (round(total_s * sum(p["speedup"] for p in probes) / len(probes), 1) if probes else None),
         "plain_estimate_note": "total speculative time x the mean speedup measured side by side at the probe positions",
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(report, indent=1))
+    common.write_report(a.out, report)
     plot(report, a.run, a.out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in report.items() if k not in ("segments", "processes")}, indent=1))
 

@@ -29,11 +29,12 @@ import os
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import common
+from common import peak_rss_bytes
+
+ROOT = common.ROOT
 
 SETTINGS = ("float", "bfloat16", "int8", "int4")  # bfloat16: the float weights held and computed in bfloat16
 LLAMA_CPP = ("llama.cpp", "llama.cpp-lookup")  # with --gguf: llama.cpp plain and with its prompt-lookup drafts
@@ -42,24 +43,12 @@ PEERS = (*LLAMA_CPP, *TRANSFORMERS)
 SAMPLERS = ("greedy", "sample")
 
 
-def peak_rss_bytes() -> int | None:
-    """The process's resident high-water mark (VmHWM), loading included."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def one_setting(weights: str, tokens: int, threads: int, samplers: list[str], workload: str) -> dict:
     """Runs in its own process: load with `weights`, then none and all per sampler setting."""
     import torch
 
     from swiftwrite import loading, quant, store
-    from swiftwrite.bench import SETTINGS as BENCH_SETTINGS, _one, workload_ids
+    from swiftwrite.bench import SETTINGS as BENCH_SETTINGS, run_one, workload_ids
     from swiftwrite.config import Config
     from swiftwrite.metrics import distinct, first_divergence, longest_repeat
     from swiftwrite.ui import Display
@@ -76,10 +65,10 @@ def one_setting(weights: str, tokens: int, threads: int, samplers: list[str], wo
     store_bytes = sum(f.stat().st_size for f in Path(path).glob("*.safetensors")) if weights == "float" \
         else quant.packed_path(path, weights).stat().st_size
     ids, start = workload_ids(lm.tok, workload)
-    _one("none", BENCH_SETTINGS["greedy"], ids, 16, lm, None, display)  # warm-up, untimed
+    run_one("none", BENCH_SETTINGS["greedy"], ids, 16, lm, None, display)  # warm-up, untimed
     rows = []
     for sampler in samplers:
-        runs = {m: _one(m, BENCH_SETTINGS[sampler], ids, tokens, lm, None, display, start) for m in ("none", "all")}
+        runs = {m: run_one(m, BENCH_SETTINGS[sampler], ids, tokens, lm, None, display, start) for m in ("none", "all")}
         for method, o in runs.items():
             rows.append({
                 "weights": weights if dtype == "float32" else dtype, "sampler": sampler, "method": method,
@@ -98,13 +87,13 @@ def one_setting(weights: str, tokens: int, threads: int, samplers: list[str], wo
 
 def transformers_rows(method: str, tokens: int, threads: int, samplers: list[str], workload: str) -> dict:
     """Runs in its own process: transformers `generate` on the float weights, plain or with its prompt lookup (10
-    tokens), exactly as `swiftwrite bench` runs its hf rows (bench._one: its repetition penalty 1.2 over the whole
+    tokens), exactly as `swiftwrite bench` runs its hf rows (bench.run_one: its repetition penalty 1.2 over the whole
     context, no n-gram suppression; sampling T 0.7 / min-p 0.1 from torch seed 0, its own noise)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from swiftwrite import loading
-    from swiftwrite.bench import SETTINGS as BENCH_SETTINGS, _one, workload_ids
+    from swiftwrite.bench import SETTINGS as BENCH_SETTINGS, run_one, workload_ids
     from swiftwrite.config import Config
     from swiftwrite.metrics import distinct, longest_repeat
     from swiftwrite.ui import Display
@@ -117,10 +106,10 @@ def transformers_rows(method: str, tokens: int, threads: int, samplers: list[str
     hf = AutoModelForCausalLM.from_pretrained(str(lm.ref.path), dtype=torch.float32).eval()
     ids, _ = workload_ids(lm.tok, workload)
     how = TRANSFORMERS[method]
-    _one(how, BENCH_SETTINGS["greedy"], ids, 16, lm, hf, display)  # warm-up, untimed
+    run_one(how, BENCH_SETTINGS["greedy"], ids, 16, lm, hf, display)  # warm-up, untimed
     rows = []
     for sampler in samplers:
-        o = _one(how, BENCH_SETTINGS[sampler], ids, tokens, lm, hf, display)
+        o = run_one(how, BENCH_SETTINGS[sampler], ids, tokens, lm, hf, display)
         rows.append({"weights": "transformers float32", "sampler": sampler, "method": method,
                      "tokens_per_second": round(tokens / o.seconds, 2), "seconds": round(o.seconds, 3),
                      "tokens_per_forward": None, "first_diff_vs_none": None, **distinct(o.tokens),
@@ -201,11 +190,11 @@ def main():
         return
     import torch
 
-    from swiftwrite.bench import machine, workload
+    from swiftwrite.bench import workload
     from swiftwrite.config import Config
 
     torch.set_num_threads(a.threads)  # what machine() reports; each setting's process sets it for itself
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+    report = {"date": common.now(), "machine": common.machine(),
               "settings": {"tokens": a.tokens, "threads": a.threads, "samplers": samplers, "workload": a.workload,
                            "prompt": workload(a.workload).brief, "template": workload(a.workload).template,
                            "source": workload(a.workload).source, "model": "smollm2-135m (default)",
@@ -233,9 +222,7 @@ def main():
         report["results"].append(res)
     compare(report)
     print(markdown(report))
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(report, indent=1))
+    common.write_report(a.out, report)
 
 
 def compare(report: dict) -> None:

@@ -2,7 +2,8 @@
 
     python bench/speculative.py --tokens 2000 --out bench/results/2026-11-29-cpu
 
-Writes bench.json and bench.md (the README table) into --out. See swiftwrite/bench.py for what is measured.
+Writes bench.json and bench.md (the README table) into --out, with bench/common.py's machine block (the CPU's ISA
+extensions too). See swiftwrite/bench.py for what is measured.
 """
 
 import argparse
@@ -12,6 +13,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markdown import Markdown
 
+import common
 from swiftwrite import bench
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -24,4 +26,7 @@ ap.add_argument("--out", type=Path, default=None)
 a = ap.parse_args()
 report = bench.run(a.methods.split(","), a.settings.split(","), a.prompts.split(","),
                    a.tokens, a.repeats, a.out, log=lambda m: print(m, file=sys.stderr, flush=True))
+report["machine"] = {**report["machine"], **common.machine()}  # the same fields, and the ISA, memory, load, date
+if a.out:
+    common.write_report(a.out / "bench.json", report, bench.markdown(report))
 Console().print(Markdown(bench.markdown(report)))

@@ -22,16 +22,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from swiftwrite.metrics import (capitalised_share, distinct, distinct_per_window, glued_share,  # noqa: E402
-                                longest_repeat)
-from swiftwrite.rundir import RunDir  # noqa: E402
+import common
+from swiftwrite.metrics import capitalised_share, distinct, distinct_per_window, glued_share, longest_repeat
+from swiftwrite.rundir import RunDir
 
 WINDOW = 500
 
@@ -109,8 +105,7 @@ def main():
         print(f"{Path(r['run']).name}: {r['tokens']} tokens, longest repeat {r['longest_repeat']}, Distinct-4 "
               f"{r['distinct_4']}, Distinct-1 per {WINDOW}: {r[f'distinct_1_per_{WINDOW}']}, glued > 0.15 from "
               f"{r['first_glued_over_0.15']}, capitalised > 0.25 from {r['first_capitalised_over_0.25']}")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows}, indent=1))
+    common.write_report(a.out, {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -18,17 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import common
+from common import status_bytes as status  # VmHWM rather than ru_maxrss, which a spawned rank inherits
 
 SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=12,
              num_key_value_heads=4, head_dim=48, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
@@ -65,12 +64,6 @@ def memory(model, cache_tokens: int) -> dict:
     # a rank reads only its slices of the checkpoint (parallel.read_shard): its peak is its shard, not the model
     return {"weight_bytes": weights, "kv_bytes_per_1k_tokens": cache.nbytes * 1000 // cache_tokens,
             "rss_bytes": status("VmRSS"), "peak_rss_bytes": status("VmHWM")}
-
-
-def status(field: str) -> int:
-    """A /proc/self/status figure in bytes. VmHWM (the peak) rather than getrusage's ru_maxrss, which a spawned
-    rank inherits from the parent it was forked from (Linux keeps it across exec)."""
-    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
 
 
 def rank_main(rank: int, world: int, init: str, model_dir: str, out: str, n: int, budget: int,
@@ -112,14 +105,13 @@ def main():
     a = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from swiftwrite.bench import machine
     from swiftwrite.metrics import first_divergence
     from swiftwrite.model import load_lean
 
     work = Path(tempfile.mkdtemp(prefix="tp-cost-"))
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**SHAPE)).save_pretrained(str(work / "model"))
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": common.machine(),
               "model": "random, default model's size, 12 query / 4 KV heads", "tokens": a.tokens, "budget": a.budget,
               "layouts": {}}
     for threads in (1, 2):  # one process: on one core (what each rank has) and on both
@@ -148,9 +140,7 @@ def main():
         for r in lay["runs"].values():
             r.pop("tokens")
         print(name, json.dumps(lay), flush=True)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(report, indent=1))
+    common.write_report(a.out, report)
     os.system(f"rm -rf {work}")
 
 

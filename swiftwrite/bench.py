@@ -212,7 +212,7 @@ def run(methods: list[str], settings: list[str], prompts: list[str], tokens: int
     # Warm-up, untimed: the first forwards of each shape pay for allocator and kernel set-up.
     first = next(iter(prompt_ids.values()))
     for method in {"none", "all", *(m for m in methods if m.startswith("hf"))} & set(methods) | {"none"}:
-        _one(method, SETTINGS["greedy"], first, 16, lm, hf, display, 0)
+        run_one(method, SETTINGS["greedy"], first, 16, lm, hf, display, 0)
     results: dict[tuple, Result] = {}
     for rep in range(repeats):
         for setting in settings:
@@ -220,7 +220,7 @@ def run(methods: list[str], settings: list[str], prompts: list[str], tokens: int
                 for method in methods:
                     r = results.setdefault((method, setting, pname), Result(method, setting, pname, [], []))
                     _reset_peak_rss()
-                    o = _one(method, SETTINGS[setting], ids, tokens, lm, hf, display, text_start[pname])
+                    o = run_one(method, SETTINGS[setting], ids, tokens, lm, hf, display, text_start[pname])
                     r.seconds.append(o.seconds)
                     r.tokens, r.forwards, r.per_source, r.draft_forwards, r.trace = \
                         o.tokens, o.forwards, o.per_source, o.draft_forwards, o.trace
@@ -235,7 +235,8 @@ def run(methods: list[str], settings: list[str], prompts: list[str], tokens: int
     return report
 
 
-def _one(method, setting, ids, n, lm, hf, display, text_start=0):
+def run_one(method, setting, ids, n, lm, hf, display, text_start=0):
+    """One generation of `n` tokens by `method` (a swiftwrite draft method, or hf / hf-lookup) under `setting`."""
     from .loading import build_engine, fit_budget
 
     if method.startswith("hf"):
