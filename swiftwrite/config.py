@@ -7,6 +7,7 @@ way of setting an option is validated by the same code and fails with the same s
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from dataclasses import dataclass, fields
@@ -26,6 +27,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # auto: float. int4 measured 2.1-2.3x float32 plain on the dev CPU (bench/quant_cost.py), but its text glued
 # words sooner than float's in 3 of 4 sampled 10K runs (README "Quantized weights"); the run names it as an option
 WEIGHTS = ("auto", "float", "int8", "int4")
+# which forward runs the model: torch (ours), ggml (llama.cpp's kernels on a GGUF, ggmlmodel.py), auto (measured
+# once per model and machine, backends.py)
+BACKENDS = ("auto", "torch", "ggml")
 # auto: on CUDA the Triton tree kernel for trees and flash-attn for prefill/decoding where installed, torch
 # on the CPU; torch: torch everywhere; triton / flash: ask for that kernel (a notice and torch if it can't run)
 ATTENTIONS = ("auto", "torch", "triton", "flash")
@@ -84,6 +88,9 @@ class Config:
     # activations (~4x / ~5x less to read per token than float32); quantized once into the model store. Not the
     # float model's text, but speculative output equals --draft none with the same weights. auto = float (README)
     weights: str = "auto"  # auto | float | int8 | int4
+    # auto: the faster of torch float and llama.cpp on the GGUF's own bits, timed at the first run on this machine
+    # (backends.py); a run keeps the backend it was written with (another backend computes other last bits)
+    backend: str = "auto"  # auto | torch | ggml
     attention: str = "auto"  # auto | torch | triton | flash: which attention kernels the forward uses
     # replay the verification and decoding forwards from CUDA graphs (trees padded to 1, 2, 4 .. 64 nodes);
     # CUDA with the Triton kernel only. Off by default until a GPU run shows it pays (bench/gpu_check.sh)
@@ -144,6 +151,7 @@ class Config:
         need(self.device in DEVICES, "device", f"must be one of {', '.join(DEVICES)}")
         need(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
         need(self.weights in WEIGHTS, "weights", f"must be one of {', '.join(WEIGHTS)}")
+        need(self.backend in BACKENDS, "backend", f"must be one of {', '.join(BACKENDS)}")
         need(self.attention in ATTENTIONS, "attention", f"must be one of {', '.join(ATTENTIONS)}")
         need(0 <= self.threads <= 1024, "threads", "must be 0 (torch's default) or a number of threads up to 1024")
         need(1 <= self.tp <= 1024, "tp", "must be 1 (one process) or a number of ranks up to 1024")
@@ -162,7 +170,7 @@ class Config:
 FIELDS = {f.name: f for f in fields(Config)}
 
 # What a run directory saved before an option existed meant: a resumed run keeps writing the text it started.
-LEGACY = {"dry_multiplier": 0.0, "stop_on_loop": 0, "weights": "float"}
+LEGACY = {"dry_multiplier": 0.0, "stop_on_loop": 0, "weights": "float", "backend": "torch"}
 
 _ESCAPES = {"n": "\n", "t": "\t", ",": ",", "\\": "\\"}
 
@@ -233,8 +241,6 @@ def _apply(cfg: Config, values: dict, label, where: dict[str, str]) -> None:
     for key, value in values.items():
         name = str(key).replace("-", "_")
         if name not in FIELDS:
-            import difflib
-
             close = difflib.get_close_matches(name, FIELDS, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise UsageError(f"{label(key, None)}: unknown option '{key}'; {hint}every option is listed by "

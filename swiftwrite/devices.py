@@ -7,17 +7,14 @@ stay fast (see writer.py).
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+import torch
 
+from .attention import attention_plan
 from .config import Config
 from .errors import UserError
+from .modelconfig import ModelConfig
+from .quant import kernel_missing, unpackable
 from .ui import dtype_name, human_bytes
-
-if TYPE_CHECKING:
-    import torch
-
-    from .model import ModelConfig
-
 
 def pick_device(cfg: Config, say=lambda msg: None) -> tuple[str, "torch.dtype"]:
     """The device and dtype for `cfg`. `auto` is bfloat16 on a GPU that computes in it (half the bytes every step
@@ -27,8 +24,6 @@ def pick_device(cfg: Config, say=lambda msg: None) -> tuple[str, "torch.dtype"]:
     where it holds, saying so otherwise). A dtype the device cannot run well falls back, with a
     sentence to `say`; an explicit --device cuda without a GPU is an error rather than a silent switch to the
     CPU, where a run meant for a GPU would take many times longer."""
-    import torch
-
     if cfg.device == "cuda" and not torch.cuda.is_available():
         why = "this torch is a CPU-only build" if torch.version.cuda is None else "torch sees no CUDA GPU (driver?)"
         raise UserError(f"--device cuda was asked for, but {why}; use --device cpu (or auto).")
@@ -51,8 +46,6 @@ def weight_bytes(mcfg: "ModelConfig", dtype, weights: str = "float", world: int 
     int4): 1 byte per layer weight, or half a byte plus a bfloat16 scale and zero per 32; the LM head and the
     embedding table as int8 rows (one table when they are tied). `world`: what one of that many tensor-parallel
     ranks holds (1/world of the layers; the tables are replicated, parallel.py)."""
-    import torch
-
     h, inter, hd = mcfg.hidden_size, mcfg.intermediate_size, mcfg.head_dim
     attention = h * (mcfg.n_heads + 2 * mcfg.n_kv_heads) * hd + mcfg.n_heads * hd * h
     layers = mcfg.n_layers * (attention + 3 * h * inter) // world
@@ -80,8 +73,6 @@ def gguf_setting(gguf_type: str | None) -> str | None:
 def quantized_option(gguf_type: str | None, device: str, mcfg: "ModelConfig", lean: bool) -> str | None:
     """The quantized setting a model imported from a quantized GGUF could run with here (its own bits, on the
     CPU, with this torch's kernels and the model's shapes), or None."""
-    from .quant import kernel_missing, unpackable
-
     w = gguf_setting(gguf_type)
     if w is None or not lean or device != "cpu" or kernel_missing(w) or unpackable(w, mcfg):
         return None
@@ -102,7 +93,6 @@ def pick_weights(cfg: Config, device: str, mcfg: "ModelConfig", lean: bool) -> s
                         "use --weights float.")
     if device != "cpu":
         raise UserError(f"--weights {w} runs on torch's CPU kernels only; use --device cpu, or --weights float on the GPU.")
-    from .quant import kernel_missing, unpackable
 
     why = kernel_missing(w)
     if why:
@@ -117,7 +107,6 @@ def free_memory(device: str) -> int | None:
     """Bytes free where the model will live: available RAM, or the current GPU's free memory."""
     if device == "cpu":
         return _available_memory()
-    import torch
 
     return int(torch.cuda.mem_get_info()[0])
 
@@ -125,8 +114,6 @@ def free_memory(device: str) -> int | None:
 def fit_dtype(cfg: Config, mcfg: "ModelConfig", device: str, dtype, say, world: int = 1) -> "torch.dtype":
     """Where `--dtype auto` is float32 (a CPU, a GPU without bfloat16) and float32 weights do not fit the free memory
     but half-size ones do, half it is, with that said (an 8B model: 32 GB in float32, 16 GB in a half dtype)."""
-    import torch
-
     if cfg.dtype != "auto" or dtype != torch.float32:
         return dtype
     free = free_memory(device)
@@ -143,8 +130,6 @@ def fit_dtype(cfg: Config, mcfg: "ModelConfig", device: str, dtype, say, world: 
 
 def attention_notes(cfg: Config, device: str, dtype) -> tuple[bool, list[str]]:
     """Whether CUDA graphs will be used, and a sentence for each GPU option that cannot be honoured here."""
-    from .attention import attention_plan
-
     tree, _, notes = attention_plan(cfg.attention, device, dtype)
     graphs = cfg.cuda_graphs
     if graphs and device != "cuda":

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .model import KVCache
+from .kvcache import KVCache
 
 SINKS = 16
 

@@ -41,10 +41,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
+from .draftcache import PartialCache
 from .drafting import AcceptanceStats, DraftSource
 from .errors import UserError, first_line
 from .model import LeanModel, linear, rms_norm
+from .paths import home
 from .tree import DraftTree
 
 GAMMA = 3  # heads: tokens t+2 .. t+4 (the paper's γ)
@@ -99,8 +103,6 @@ class Heads(torch.nn.Module):
 def save_heads(heads: Heads, path: Path, meta: dict[str, object]) -> Path:
     """Write `heads` to `path` atomically (temp file in the same directory, fsync, rename): an interrupted
     save never leaves a half-written file. `meta` values become strings (dicts and lists as JSON)."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     tensors = {
         "in_norm": heads.in_norm.detach().float().contiguous().cpu(),
@@ -133,8 +135,6 @@ def save_heads(heads: Heads, path: Path, meta: dict[str, object]) -> Path:
 
 def read_metadata(path: Path) -> dict[str, str]:
     """The string metadata of a heads file (header only, no tensor is read). HeadsError if it is not one."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise HeadsError(f"heads file {path} does not exist.")
@@ -154,8 +154,6 @@ def load_heads(path: Path, model: LeanModel, fingerprint: str, gamma: int | None
     """Load heads for `model` (whose store fingerprint is `fingerprint`). `gamma`: the number of heads
     asked for (None: whatever the file has). Raises HeadsError, one sentence, for a file made for another
     model, another γ or hidden size, or a damaged file."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     meta = read_metadata(path)
     retrain = "train heads for it with `swiftwrite train-heads`"
@@ -196,8 +194,6 @@ def load_heads(path: Path, model: LeanModel, fingerprint: str, gamma: int | None
 
 def user_dir() -> Path:
     """Where `swiftwrite train-heads` writes by default; looked at before the package's own heads."""
-    from .store import home
-
     return home() / "heads"
 
 
@@ -333,8 +329,6 @@ class TwoPassHeadsDrafter(HeadsDrafter):
         return lambda source_id, stats: cls(source_id, stats, heads, lm, model, kv_budget, top_k)
 
     def bind(self, engine) -> None:
-        from .draftcache import PartialCache
-
         super().bind(engine)
         self.engine = engine
         self.partial = PartialCache(engine.cache, min(self.kv_budget, engine.window.context))

@@ -13,12 +13,14 @@ for every architecture); the writer says so when it falls back.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
 
 from .errors import UserError, first_line
-from .model import ModelConfig, check_positions
+from .hf import transformers
+from .modelconfig import ModelConfig, check_positions
 
 
 def config_from(hf_cfg) -> ModelConfig:
@@ -45,11 +47,9 @@ class HFCache:
     """Committed slots of a transformers DynamicCache. `length` counts committed slots, as in KVCache."""
 
     def __init__(self, cfg: ModelConfig, capacity: int, device, dtype, model_config):
-        from transformers import DynamicCache
-
         self.cfg, self.capacity, self.length = cfg, capacity, 0
         self.dtype = dtype
-        self.dc = DynamicCache(config=model_config)
+        self.dc = transformers().DynamicCache(config=model_config)
 
     @property
     def nbytes(self) -> int:  # what it grows to at capacity; the cache is allocated as it fills
@@ -81,8 +81,6 @@ class HFModel:
     fallback = True
 
     def __init__(self, hf, cfg: ModelConfig, device, dtype):
-        import inspect
-
         self.hf, self.cfg = hf, cfg
         self.device, self.dtype = torch.device(device), dtype
         # transformers 5.x renames `past_key_values` to `cache` (the old name warns until it is removed)
@@ -122,12 +120,12 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def load_hf(model_dir: Path, device="cpu", dtype=torch.float32) -> HFModel:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    tf = transformers()
 
     try:
-        hf_cfg = AutoConfig.from_pretrained(str(model_dir))
+        hf_cfg = tf.AutoConfig.from_pretrained(str(model_dir))
         cfg = config_from(hf_cfg)
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="eager")
+        hf = tf.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="eager")
     except UserError:
         raise
     except Exception as e:  # transformers raises many kinds for an unknown or broken model

@@ -2,32 +2,43 @@
 context window checked against free memory, and only then the weights; then the sampler, draft sources and
 cost curves.
 
-torch, transformers and the engine are imported inside the functions that use them, so that every cheaper
-check fails before seconds of imports and loading (see writer.py).
+transformers is imported on first use (hf.py); the cheaper checks of the model's files come before the weights
+are read.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from .config import Config
-from .devices import (attention_notes, fit_dtype, free_memory, pick_device, pick_weights, quantized_option,
-                      weight_bytes)
+import torch
+
+from . import backends
+from . import budget as budget_mod
+from . import ranks
+from .budget import MAX_BUDGET
+from .config import Config, breaker_strings
+from .devices import attention_notes, fit_dtype, free_memory, pick_device, pick_weights, quantized_option, weight_bytes
+from .engine import COST_BUCKET, SOURCES, Engine, make_sources
 from .errors import UserError, first_line
+from .exact import check
+from .forward import Forward
+from .graphs import GraphedModel
+from .hf import transformers
+from .heads import HeadsDrafter, HeadsError, TwoPassHeadsDrafter, default_heads_path, load_heads
+from .hfmodel import config_from, load_hf, weight_files
+from .kvcache import KVCache
+from .model import load_lean
+from .modelconfig import SUPPORTED_ARCHS, ModelConfig, read_hf_config
+from .ops import tree_rows
+from .parallel import check_divides
+from .repetition import DrySettings
+from .sampling import Sampler, SamplerSettings
 from .store import ModelRef, home, resolve, source_weights
 from .ui import Display, dtype_name, human_bytes
-
-if TYPE_CHECKING:
-    import torch
-
-    from .engine import Engine
-    from .model import LeanModel, ModelConfig
-    from .window import Window
-    from .repetition import DrySettings
-
+from .window import Window
 
 # ---------------------------------------------------------------------------------------------------------
 # The model
@@ -53,13 +64,14 @@ class Loaded:
     mcfg: "ModelConfig"  # from config.json, known before the weights are read
     device: str
     dtype: "torch.dtype"
-    model: "LeanModel | None" = None  # set by load_weights(), after every cheaper check has passed
+    model: "Forward | None" = None  # set by load_weights(), after every cheaper check has passed
     attention: str = "auto"  # config.ATTENTIONS
     cuda_graphs: bool = False  # wrap the lean model in graphs.GraphedModel (checked: CUDA and the tree kernel)
     weights: str = "float"  # config.WEIGHTS resolved: float, int8 or int4
     tp: int = 1  # tensor-parallel ranks (this process is rank 0 of them when > 1: ranks.py)
     # said once the run starts (after every check of the input, so a refusal stays one sentence)
     weights_note: str | None = None
+    backend: str = "torch"  # torch | ggml (backends.py); auto until load_weights has timed both
 
 
 def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Loaded:
@@ -69,14 +81,10 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
         ref = resolve(cfg.model, log=display.info)
     device, dtype = pick_device(cfg, display.info)
     if cfg.tp > 1 and device == "cpu" and not cfg.threads:
-        import os
-
         # each rank its share of the cores: more threads than cores between processes that wait on each other at
         # every all-reduce collapses (and a fixed count keeps each rank's bits; threads.py governs one process)
         cfg.threads = max(1, (os.cpu_count() or 1) // cfg.tp)
     if cfg.threads:
-        import torch
-
         torch.set_num_threads(cfg.threads)
     mcfg, lean = _model_config(ref, display)
     if cfg.tp > 1:
@@ -108,14 +116,14 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
         graphs = False
     lm = _loaded(ref, mcfg, device, dtype, cfg.attention, graphs and lean)
     lm.weights, lm.weights_note, lm.tp = weights, weights_note, cfg.tp
+    lm.backend = backends.choose(cfg, ref.path, device, display.info)
+    if lm.backend == "ggml":
+        lm.weights_note = None  # torch's weights do not apply: llama.cpp runs the GGUF's own bits
     return lm
 
 
 def _check_parallel(cfg: Config, device: str, mcfg: "ModelConfig", lean: bool) -> None:
     """One sentence for each reason `cfg.tp` ranks cannot run this model here, before any weight is read."""
-    from . import ranks
-    from .parallel import check_divides
-
     if ranks.current is None or ranks.current.world != cfg.tp:
         raise UserError(f"tensor parallelism (tp {cfg.tp}) runs from the command line: `swiftwrite generate --tp "
                         f"{cfg.tp} ...` or torchrun; this caller is one process.")
@@ -134,21 +142,15 @@ def _check_parallel(cfg: Config, device: str, mcfg: "ModelConfig", lean: bool) -
 
 def _model_config(ref: ModelRef, display: Display) -> tuple["ModelConfig", bool]:
     """The model's configuration, and whether the lean forward runs it (else transformers does)."""
-    from .model import SUPPORTED_ARCHS, ModelConfig, read_hf_config
-
     raw = read_hf_config(ref.path)
     if isinstance(raw, dict) and raw.get("model_type") not in SUPPORTED_ARCHS:
-        from transformers import AutoConfig
-        from transformers.utils import logging as hf_logging
-
-        from .hfmodel import config_from, weight_files
-
-        hf_logging.set_verbosity_error()
+        tf = transformers()
+        tf.utils.logging.set_verbosity_error()
         if not weight_files(ref.path):
             raise UserError(f"{ref.path} has a '{raw.get('model_type')}' configuration but no weights "
                             "(*.safetensors or pytorch_model.bin); check the model directory.")
         try:
-            mcfg = config_from(AutoConfig.from_pretrained(str(ref.path)))
+            mcfg = config_from(tf.AutoConfig.from_pretrained(str(ref.path)))
         except UserError:
             raise
         except Exception as e:  # an architecture this transformers does not know, or a broken config
@@ -168,12 +170,10 @@ def _model_config(ref: ModelRef, display: Display) -> tuple["ModelConfig", bool]
 
 
 def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype, attention: str, graphs: bool) -> Loaded:
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
+    tf = transformers()
+    tf.utils.logging.set_verbosity_error()
     try:
-        tok = AutoTokenizer.from_pretrained(str(ref.path))
+        tok = tf.AutoTokenizer.from_pretrained(str(ref.path))
     except Exception as e:  # transformers raises whatever its backend raises for a bad tokenizer file
         raise UserError(f"the tokenizer in {ref.path} cannot be loaded ({first_line(e, 120)}); "
                         "re-download or re-convert the model.") from None
@@ -181,22 +181,27 @@ def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype, attention: s
 
 
 def load_weights(lm: Loaded, display_log=lambda msg: None) -> None:
-    from .model import SUPPORTED_ARCHS, load_lean
+    if lm.backend != "torch":
+        threads = torch.get_num_threads()
+        ggml = lambda: backends.load_ggml(lm.ref.path, lm.mcfg, threads)  # noqa: E731
+        if lm.backend == "ggml":
+            lm.model = ggml()
+        else:  # auto: the faster of the two here, timed at the first run and kept
+            lm.backend, lm.model = backends.measured(lm.ref.path, threads, lambda: _load_torch(lm, display_log), ggml,
+                                                     display_log)
+        if lm.backend == "ggml":
+            lm.weights_note = None
+        return
+    lm.model = _load_torch(lm, display_log)
 
+
+def _load_torch(lm: Loaded, display_log) -> Forward:
     if lm.tp > 1:
-        from . import ranks
-
-        lm.model = ranks.current.lead(lm, display_log)  # every rank loads its own shard (ranks.py)
-    elif lm.mcfg.arch in SUPPORTED_ARCHS:
-        lm.model = load_lean(lm.ref.path, lm.device, lm.dtype, lm.attention, lm.weights, log=display_log)
-        if lm.cuda_graphs:
-            from .graphs import GraphedModel
-
-            lm.model = GraphedModel(lm.model)
-    else:
-        from .hfmodel import load_hf
-
-        lm.model = load_hf(lm.ref.path, lm.device, lm.dtype)
+        return ranks.current.lead(lm, display_log)  # every rank loads its own shard (ranks.py)
+    if lm.mcfg.arch in SUPPORTED_ARCHS:
+        model = load_lean(lm.ref.path, lm.device, lm.dtype, lm.attention, lm.weights, log=display_log)
+        return GraphedModel(model) if lm.cuda_graphs else model
+    return load_hf(lm.ref.path, lm.device, lm.dtype)
 
 
 def load(cfg: Config, display: Display) -> Loaded:
@@ -212,10 +217,6 @@ def load(cfg: Config, display: Display) -> Loaded:
 
 def make_window(cfg: Config, lm: Loaded, prompt_len: int, display: Display) -> "Window":
     """The context the model attends to, checked against the prompt and free memory before any weight loads."""
-    from .budget import MAX_BUDGET
-    from .model import KVCache
-    from .window import Window
-
     limit = lm.mcfg.max_positions
     if cfg.context > limit:
         display.info(f"--context {cfg.context} is past the model's {limit} positions; using {limit}.")
@@ -223,7 +224,8 @@ def make_window(cfg: Config, lm: Loaded, prompt_len: int, display: Display) -> "
     window = Window(context, prompt_len)
     kv = KVCache.bytes_needed(lm.mcfg, context + 1 + MAX_BUDGET, lm.dtype) // lm.tp  # a rank holds 1/tp of the KV heads
     # loaded weights are already not free; a tensor-parallel rank holds its shard
-    weights = weight_bytes(lm.mcfg, lm.dtype, lm.weights, lm.tp) if lm.model is None else 0
+    weights = 0 if lm.model is not None else backends.gguf_path(lm.ref.path).stat().st_size if lm.backend == "ggml" \
+        else weight_bytes(lm.mcfg, lm.dtype, lm.weights, lm.tp)
     avail = free_memory(lm.device)
     where = "in RAM" if lm.device == "cpu" else "on the GPU"
     dtype = dtype_name(lm.dtype) if lm.weights == "float" else lm.weights
@@ -258,9 +260,6 @@ def dry_settings(cfg: Config, tok, vocab: int, start: int = 0) -> "DrySettings":
     """The n-gram suppression settings, breakers as token ids: every token whose text holds a breaker string
     (a newline is inside "\\n\\n" and ".\\n" tokens too). Without a tokenizer (ids-only callers) no breakers.
     `start`: the first position it looks at (text_start of build_engine)."""
-    from .config import breaker_strings
-    from .repetition import DrySettings
-
     strings = tuple(breaker_strings(cfg.dry_breakers))
     ids = _breaker_ids(tok, strings, vocab) if strings and tok is not None and cfg.dry_multiplier > 0 else ()
     return DrySettings(multiplier=cfg.dry_multiplier, base=cfg.dry_base, allowed_length=cfg.dry_allowed_length,
@@ -286,10 +285,6 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
                  text_start: int = 0) -> "Engine":
     """`window`: from make_window(), or the prompt length to make it from. `text_start`: the first position the
     penalty and the n-gram suppression count (text_start_for())."""
-    from . import budget as budget_mod
-    from .engine import SOURCES, Engine, make_sources
-    from .sampling import Sampler, SamplerSettings
-
     if isinstance(window, int):
         window = make_window(cfg, lm, window, display)
     model = lm.model
@@ -309,14 +304,16 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
     if "heads" in names and lm.tp > 1:
         names.remove("heads")  # "all": the train-free sources, which draft on rank 0 alone (_check_parallel)
     if names and getattr(model, "exact_rows", False):
-        from .exact import check
-
         why = check(model)  # the bits speculation's exactness rests on, checked on this machine
         if why:
             setting = f"--weights {lm.weights}" if lm.weights != "float" else f"--dtype {dtype_name(lm.dtype)}"
             display.info(f"{setting}: {why}, so drafts could change the text; decoding without them "
                          "(as --draft none) keeps it exactly what plain decoding writes.")
             names = []
+    if names and getattr(model, "rows_note", None):  # the llama.cpp backend's probe (ggmlmodel.check_rows)
+        display.info(f"--backend ggml: {model.rows_note}, so drafts could change the text; decoding without them "
+                     "(as --draft none) keeps it exactly what plain decoding writes.")
+        names = []
     heads = load_head_drafter(lm, required=cfg.draft == "heads", display=display, cfg=cfg, window=window) \
         if "heads" in names else None
     if heads is None and "heads" in names:
@@ -344,8 +341,11 @@ def load_head_drafter(lm: Loaded, required: bool, display: Display, cfg: Config 
                       window: "Window | None" = None):
     """The heads factory for this model (its own trained heads, else the shipped ones), or None. Missing or
     unusable heads are an error for --draft heads and a notice for --draft all."""
-    from .heads import HeadsDrafter, HeadsError, TwoPassHeadsDrafter, default_heads_path, load_heads
-
+    if not getattr(lm.model, "hidden", True):  # llama.cpp exposes no state before the final norm
+        if required:
+            raise UserError("multi-token heads need the torch backend's hidden states; use --backend torch, or "
+                            "--draft all.")
+        return None
     if getattr(lm.model, "fallback", False):
         if required:
             raise UserError(f"multi-token heads need the lean forward, and {lm.ref.name} ('{lm.mcfg.arch}') runs through "
@@ -382,18 +382,13 @@ def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display:
     loop (bench) or stalls a step mid-run."""
     if not engine.sources or engine.budget is not None:
         return
-    import torch
 
-    from . import budget as budget_mod
 
-    from .engine import COST_BUCKET
 
     key = f"{lm.ref.fingerprint}/{lm.model.device.type}/{str(lm.model.dtype)}/{torch.get_num_threads()}t"
     key += ("/graphs" if lm.cuda_graphs else "") + (f"/attn-{lm.attention}" if lm.attention != "auto" else "")
     key += f"/w-{lm.weights}" if lm.weights != "float" else ""  # quantized products cost another curve
     key += f"/tp{lm.tp}" if lm.tp > 1 else ""  # a sharded forward costs its products / tp plus the all-reduces
-
-    from .model import tree_rows
 
     # a model whose trees' rows are padded (model.tree_rows): 9 tokens cost it what 16 do
     padded = getattr(lm.model, "pads_trees", False)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+import numpy as np
+
 
 def distinct_n(tokens: Sequence[int], n: int) -> float:
     """Distinct-n: unique n-grams / all n-grams (1.0 = no n-gram repeats; a looping text tends to 0)."""
@@ -69,8 +71,6 @@ def longest_repeat(tokens: Sequence[int]) -> int:
     """Length of the longest stretch of tokens that occurs at least twice in the text (the two occurrences
     may overlap): 0 for a text with no repeated token. Binary search on the length, each length checked by
     rolling hashes of every window and confirmed token by token, so O(n log n) for a 100K-token text."""
-    import numpy as np
-
     a = np.asarray(tokens, dtype=np.int64)
     n = a.shape[0]
     if n < 2:

@@ -37,6 +37,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .engine import Step
 from .errors import UsageError
 
 MIN_SECTION = 16  # tokens: a heading of a few words and a sentence under it
@@ -378,8 +379,6 @@ def ender_ids(tok, vocab: int) -> frozenset:
 def drive(engine, sched: Schedule, n_new: int, out: list[int]):
     """Yield the engine's steps and the forced headings (engine.Step with forced=True) until `n_new` more tokens
     are committed; `out` is the output so far and grows with each step."""
-    from .engine import Step
-
     target = len(out) + n_new
     while len(out) < target and not engine.stopped:
         ids = sched.due(out, len(out))

@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
 
 from .errors import RankLost, UserError
-from .model import KVCache, LeanModel, ModelConfig
+from .model import KVCache, LeanModel, ModelConfig, read_hf_config
 
 # what the leader sends, as the first word of a header
 FORWARD, NEW_CACHE, COMPACT, STOP = range(4)
@@ -92,11 +94,7 @@ def shard(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int, world: 
 def read_shard(model_dir, cfg: ModelConfig, rank: int, world: int) -> dict[str, torch.Tensor]:
     """This rank's weights read from a safetensors directory slice by slice: the rows and columns of the split
     products that are its own, and nothing of the others' (a rank's memory never holds the whole model)."""
-    from pathlib import Path
 
-    from safetensors import SafetensorError, safe_open
-
-    from .errors import RankLost, UserError
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -229,16 +227,12 @@ class Leader:
 def load_sharded(model_dir, rank: int, world: int, group=None, device="cpu", dtype=torch.float32,
                  attention: str = "auto") -> ShardedModel:
     """This rank's shard of a safetensors model directory, read slice by slice (read_shard)."""
-    from .model import read_hf_config
-
     cfg = ModelConfig.from_hf(read_hf_config(model_dir))
     check_divides(cfg, world)
     try:
         return ShardedModel(cfg, read_shard(model_dir, cfg, rank, world), rank, world, group, local=True,
                             device=device, dtype=dtype, attention=attention)
     except KeyError as e:
-        from .errors import RankLost, UserError
-
         raise UserError(f"{model_dir} lacks the weight {e}; the checkpoint is incomplete or not {cfg.arch}.") from None
 
 

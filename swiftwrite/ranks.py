@@ -20,6 +20,8 @@ The control messages travel over a gloo group on every device; the model's all-r
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import shlex
 import signal
@@ -31,7 +33,14 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+import yaml
+
 from .errors import RankLost, UserError, first_line
+from .parallel import Leader, follow, load_sharded
+from .ui import dtype_name
+from .weightfiles import keep_float_copy
 
 REPORT = "SWIFTWRITE_TP_REPORT"  # rank 0 writes its run directory here, for the launcher's last word
 TIMEOUT = timedelta(minutes=30)  # a collective nobody answers (a dead rank is seen at once: its socket closes)
@@ -54,8 +63,6 @@ def world_from_env() -> tuple[int, int, int] | None:
 def devices_for(device: str) -> tuple[int, str]:
     """How many ranks this machine can hold on `device` (config.DEVICES), and what they are."""
     if device in ("auto", "cuda"):
-        import torch
-
         if torch.cuda.is_available() or device == "cuda":
             return torch.cuda.device_count(), "GPUs"
     return os.cpu_count() or 1, "CPU cores"
@@ -130,8 +137,6 @@ def _wait_any(procs: list[subprocess.Popen]) -> subprocess.Popen:
 def _die_with_parent() -> None:
     """In each rank (Linux): SIGTERM when the launcher dies, so no rank outlives the command the user started."""
     try:
-        import ctypes
-
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
@@ -151,10 +156,6 @@ def recorded(run_dir: Path) -> tuple[int, str]:
     """The tensor-parallel degree a run directory was last written with (its last checkpoint's, else its
     configuration's, else 1) and its --device; 1 and auto for anything unreadable (`resume` itself then says
     what is wrong)."""
-    import json
-
-    import yaml
-
     try:
         saved = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
     except (OSError, yaml.YAMLError):
@@ -191,8 +192,6 @@ class Rank:
     """This process's place in the group, joined once at start-up (cli)."""
 
     def __init__(self, rank: int, world: int, local: int):
-        import torch.distributed as dist
-
         self.rank, self.world, self.local = rank, world, local
         dist.init_process_group("gloo", timeout=TIMEOUT)  # env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
         self.planned = False
@@ -203,11 +202,8 @@ class Rank:
 
     def model_group(self, kind: str):
         """The group the model's all-reduces run in: NCCL on GPUs (made by every rank at the same point), else gloo's."""
-        import torch.distributed as dist
-
         if kind != "cuda":
             return None
-        import torch
 
         torch.cuda.set_device(self.local)
         return dist.new_group(backend="nccl")
@@ -216,13 +212,6 @@ class Rank:
 
     def lead(self, lm, log) -> "object":
         """Rank 0: send the plan, load its own shard, hear every rank's outcome; the model as a parallel.Leader."""
-        import torch
-        import torch.distributed as dist
-
-        from .parallel import Leader, load_sharded
-        from .ui import dtype_name
-        from .weightfiles import keep_float_copy
-
         keep_float_copy(lm.ref.path, log=log)  # a GGUF store model: the shards are read from its float copy
         if not any(Path(lm.ref.path).glob("*.safetensors")):
             raise UserError(f"tensor parallelism reads each rank's shard from safetensors files, and {lm.ref.path} has "
@@ -252,8 +241,6 @@ class Rank:
 
     def release(self) -> None:
         """Rank 0, at the end (whatever happened): every follower leaves."""
-        import torch.distributed as dist
-
         try:
             if not self.planned:
                 dist.broadcast_object_list([None], 0)  # refused before any model was planned
@@ -266,11 +253,6 @@ class Rank:
 
     def follow(self) -> int:
         """A follower's whole life; its exit status (rank 0 speaks for the run, so nothing is printed)."""
-        import torch
-        import torch.distributed as dist
-
-        from .parallel import follow, load_sharded
-
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 ends the run; a terminal's Ctrl-C is its to handle
         try:
             plan = [None]

@@ -20,12 +20,17 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
+from gguf import GGUFReader
+from safetensors.torch import save_file
 
 from .errors import UserError, first_line
+from .hf import transformers
 from .modelconfig import SUPPORTED_ARCHS
 from .paths import GGUF_FILE, META_FILE, _compute_fingerprint, fingerprint, home  # noqa: F401 (store.home, ...)
 from .weightfiles import keep_float_copy
@@ -73,11 +78,7 @@ def _fresh_tmp(parent: Path, stem: str) -> Path:
 def gguf_weight_type(path: Path) -> str | None:
     """How a GGUF stores its layers: the most common type of its 2-D `blk.*` tensors ("Q4_1", "Q8_0", "F16"),
     or None when it cannot be read. The file is memory-mapped; only its tensor table is read."""
-    from collections import Counter
-
     try:
-        from gguf import GGUFReader
-
         reader = GGUFReader(str(path))
     except Exception:  # noqa: BLE001 - any unreadable file: the type is unknown, and import_gguf reports the file
         return None
@@ -101,19 +102,16 @@ def source_weights(model_dir: Path) -> str | None:
 
 def _gguf_config(gguf_path: Path) -> dict:
     """The Hugging Face configuration transformers derives from a GGUF's metadata (no tensor is read)."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
+    tf = transformers()
+    tf.utils.logging.set_verbosity_error()
     try:
-        cfg = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).to_dict()
+        cfg = tf.AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).to_dict()
     except Exception as e:  # noqa: BLE001 - transformers and gguf raise what numpy raises on a damaged file
         raise UserError(f"{gguf_path} could not be read as a GGUF model ({first_line(e)}); check the file.") from None
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
         cfg.pop(key, None)
     cfg["dtype"] = "float32"  # what the float copy holds, as a float32 conversion recorded it
-    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.get("model_type"))
+    arch = tf.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.get("model_type"))
     if arch:
         cfg["architectures"] = [arch]
     return cfg
@@ -172,28 +170,21 @@ def import_gguf(gguf_path: Path, name: str, source: str, log=lambda msg: None, d
 
 
 def _gguf_tokenizer(gguf_path: Path):
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        return transformers().AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as e:  # noqa: BLE001 - as above
         raise UserError(f"the tokenizer in {gguf_path} could not be read ({first_line(e)}); check the file.") from None
 
 
 def _dequantised_import(gguf_path: Path, tmp: Path, log) -> None:
     """An architecture outside the lean forward's family: float32 safetensors through transformers' GGUF loader."""
-    import torch
-    from safetensors.torch import save_file
-
     log(f"converting {gguf_path.name} (de-quantising to float32, once: transformers runs this architecture)")
     try:
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
+        tf = transformers()
+        tf.utils.logging.set_verbosity_error()
+        tf.utils.logging.disable_progress_bar()
         tok = _gguf_tokenizer(gguf_path)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+        model = tf.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                      dtype=torch.float32)
     except (ValueError, OSError, KeyError, RuntimeError) as e:
         raise UserError(f"{gguf_path} could not be read as a GGUF model ({first_line(e)}); check the file.") from None

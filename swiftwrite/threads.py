@@ -24,6 +24,9 @@ import time
 
 import torch
 
+from .exact import probe_tree
+from .model import LeanModel
+
 EVERY = 0.25  # seconds between looks at the machine's CPU time: a look costs ~22 us; 0.25 s is 50 ticks of 2 cores
 AGREE = 2  # consecutive looks that must want the same count before it changes: one burst is not load
 PROBE_CHUNK = 16  # prompt-like rows the probe runs; it runs under load, so it is kept short
@@ -70,8 +73,6 @@ def wanted(most: int, free: int | float, others: float) -> int:
 def signature(model) -> list[torch.Tensor]:
     """What the model computes on a fixed input, at the current thread count: a prompt-like chunk (every row's logits
     and the K/V it writes), one step after it, and the probe tree of exact.py over it."""
-    from .exact import probe_tree
-
     g = torch.Generator().manual_seed(1)
     vocab, dev = model.cfg.vocab_size, model.device
     ids = torch.randint(0, vocab, (PROBE_CHUNK + 1,), generator=g).to(dev)
@@ -156,8 +157,6 @@ class Governor:
 def governor_for(model, threads_flag: int, device_type: str) -> Governor | None:
     """The run's governor, or None: a fixed --threads, a GPU, a model outside the lean forward, a single thread,
     or a machine without /proc/stat."""
-    from .model import LeanModel
-
     most = torch.get_num_threads()
     if threads_flag or device_type != "cpu" or most < 2 or not isinstance(model, LeanModel) \
             or machine_busy_seconds() is None:

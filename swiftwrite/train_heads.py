@@ -32,10 +32,17 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from .errors import UserError
-from .heads import GAMMA, Heads, _umask, save_heads
-from .model import linear, rms_norm
+from .errors import UsageError, UserError
+from .heads import GAMMA, Heads, _umask, save_heads, user_dir
+from .hf import transformers
+from .model import load_lean
+from .ops import linear, rms_norm
+from .prompt import apply_template, prompt_ids
+from .store import fingerprint, home
+from .weightfiles import keep_float_copy
 
 HELD_OUT = 0.1  # every tenth sequence is kept out of training, for the accuracy report
 WARMUP = 0.1  # share of the steps spent warming the learning rate up linearly (the paper: 50 of 200 steps)
@@ -96,15 +103,13 @@ def write_selfdistill(model_dir: Path, out: Path, new_tokens: int = 1536, copies
     against ~14 for one sequence. End-of-text is suppressed (as the writer does until the target is
     reached), so every sample is `new_tokens` long.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria
+    tf = transformers()
 
-    from .prompt import apply_template, prompt_ids
 
-    from .weightfiles import keep_float_copy
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = tf.AutoTokenizer.from_pretrained(str(model_dir))
     keep_float_copy(model_dir)  # transformers reads safetensors: a GGUF store model's float copy
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    hf = tf.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     prompts = [prompt_ids(tok, apply_template(brief, kind), raw=False) for kind, brief in BRIEFS for _ in range(copies)]
     width = max(map(len, prompts))
@@ -114,7 +119,7 @@ def write_selfdistill(model_dir: Path, out: Path, new_tokens: int = 1536, copies
     eos = sorted({tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
     start = time.time()
 
-    class Report(StoppingCriteria):  # called once per generated token: a progress line, never a stop
+    class Report(tf.StoppingCriteria):  # called once per generated token: a progress line, never a stop
         def __call__(self, input_ids, scores, **kw):
             done = input_ids.shape[1] - width
             if done % 128 == 0 and done:
@@ -414,8 +419,6 @@ def fit(model, windows: list[np.ndarray], held: list[np.ndarray], *, gamma: int 
 
 def default_out(model_name: str) -> Path:
     """Where `train-heads` writes when no --out is given: found automatically by heads.default_heads_path."""
-    from .heads import user_dir
-
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(model_name).name) or "model"
     return user_dir() / f"{safe}.safetensors"
 
@@ -443,11 +446,6 @@ def train(
     """Train γ heads on the frozen model in `model_dir`, write them to `out` (atomically) and return the
     report that is also stored in the file's metadata. Bad options raise UsageError, bad data UserError,
     both before anything is written."""
-    from transformers import AutoTokenizer
-
-    from .errors import UsageError
-    from .model import load_lean
-    from .store import fingerprint, home
 
     model_dir = Path(model_dir)
     for name, value, ok in (("--steps", steps, steps >= 1), ("--batch", batch, batch >= 1), ("--lr", lr, 0 < lr < 1),
@@ -471,7 +469,7 @@ def train(
         texts, _ = read_texts(data)
         what = (f"self-distilled: {len(texts)} samples of {distill_tokens} tokens from the novel/report templates, "
                 f"temperature 0.7, min_p 0.1, repetition penalty 1.2")
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = transformers().AutoTokenizer.from_pretrained(str(model_dir))
     windows = token_windows(tok, texts, seq_len, str(data))
     cap = HIDDEN_BYTES // (4 * model.cfg.hidden_size)
     if sum(map(len, windows)) > cap:
@@ -519,9 +517,6 @@ class _Bar:
     """A Rich progress bar on standard error whose description carries the running loss of each head."""
 
     def __init__(self, steps: int):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
         self.p = Progress(TextColumn("training heads"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                           TimeRemainingColumn(), console=Console(stderr=True), transient=False)
         self.task = self.p.add_task("", total=steps)

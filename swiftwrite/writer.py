@@ -6,8 +6,8 @@ every `chunk` tokens. The token ids are the source of truth; text is derived fro
 re-decodes instead of trusting a half-written file. The parts it drives live in prompt.py (brief to ids, ids
 to text), devices.py (device, dtype, memory) and loading.py (model and engine set-up); this module is the run.
 
-torch, transformers and the engine are imported inside the functions that use them: the checks of the
-user's input come first and fail in a fraction of a second, not after seconds of imports and loading.
+The checks of the user's input come before the model is loaded; transformers is imported on first use (hf.py),
+and cli.py imports this module only when a command runs, so `--help` stays instant.
 """
 
 from __future__ import annotations
@@ -24,24 +24,28 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
 
 from . import outline as outlines
-from . import ranks
+from . import ranks, threads
+from .backends import cpu_extensions
 from .config import Config
+from .config import resolve as resolve_cfg
 from .devices import pick_device
+from .engine import SOURCES, Engine
 from .errors import RankLost, UsageError, UserError
-from .loading import Loaded, build_engine, fit_budget, load_weights, make_window, open_model, text_start_for
+from .loading import (Loaded, build_engine, dry_settings, fit_budget, load_weights, make_window, open_model,
+                      suppressed_ids, text_start_for)
 from .metrics import distinct, distinct_n, distinct_per_window, longest_repeat
 from .prompt import TextStream, apply_template, prompt_ids, read_prompt, read_source
 from .repetition import LOOP_WARN, LoopWatch
 from .rundir import RunDir
+from .sampling import Sampler, SamplerSettings
 from .store import resolve
 from .ui import QUALITY_WINDOW, WORDS_WINDOW, Display, Progress, dtype_name
-
-if TYPE_CHECKING:
-    from .engine import Engine
-
+from .window import MIN_FREE, Window
 
 # ---------------------------------------------------------------------------------------------------------
 # Checks that need no model
@@ -81,7 +85,6 @@ def default_run_dir(brief: str) -> Path:
 def pack_state(state: dict) -> bytes | None:
     if not state:
         return None
-    import numpy as np
 
     buf = io.BytesIO()
     np.savez(buf, **state)
@@ -91,7 +94,6 @@ def pack_state(state: dict) -> bytes | None:
 def unpack_state(blob: bytes | None) -> dict:
     if not blob:
         return {}
-    import numpy as np
 
     try:
         with np.load(io.BytesIO(blob), allow_pickle=False) as z:
@@ -150,11 +152,6 @@ def lost(e: RankLost) -> str:
 
 def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display: Display, stats_json: Path | None,
              sched: outlines.Schedule | None = None) -> int:
-    import torch
-
-    from . import threads
-    from .engine import SOURCES
-
     target = cfg.tokens
     done = len(rd.tokens)
     prev = rd.stats or {}
@@ -220,7 +217,7 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
             "budget": str(engine.budget) if engine.budget is not None else ("auto" if engine.sources else "none"),
             "cost_curve_ms": engine.cost.to_dict() if engine.cost is not None else None,
             "kv_cache_bytes": engine.cache.nbytes, "peak_rss_bytes": _rss(), "model_fingerprint": rd.fingerprint,
-            "weights": lm.weights, "text_pending_tokens": len(stream.pending), "earlier_processes": history,
+            "weights": lm.weights, "backend": lm.backend, "cpu": cpu_extensions(), "text_pending_tokens": len(stream.pending), "earlier_processes": history,
             "longest_current_repeat": repeat, **({"stopped": stopped} if stopped else {}),
             "threads": torch.get_num_threads(), **({"thread_changes": gov.changes} if gov else {}),
             "tp": lm.tp,  # the ranks this text came from: resume keeps it (ranks.recorded)
@@ -438,6 +435,7 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
     window = make_window(cfg, lm, len(ids) + (plan.pin_max if plan else 0), display)
     if lm.model is None:
         load_weights(lm, display.info)
+    cfg.backend = lm.backend  # `auto` resolved (timed on this machine): a resume keeps the backend the text came from
     engine = build_engine(cfg, lm, window, len(ids) + cfg.tokens, display, text_start_for(cfg, len(ids)))
     sched = _schedule(engine, plan, lm, len(ids)) if plan else None
     out = _open_out(out_path)
@@ -461,8 +459,6 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
 
 
 def _resume_config(rd: RunDir, tokens: int | None) -> Config:
-    from .config import resolve as resolve_cfg
-
     try:
         cfg = resolve_cfg(None, {}, environ={}, base=rd.config)
     except UsageError as e:
@@ -568,13 +564,6 @@ def _schedule(engine: "Engine", plan: outlines.Plan, lm: Loaded, prompt_len: int
 def plan_outline(cfg: Config, lm: Loaded, brief: str, display: Display) -> list[outlines.Section]:
     """--plan: the model writes the section titles (greedy, a numbered list) before the document. Titles it did
     not give are filled in as "Part k", and the user is told; the outline is shown either way."""
-    import torch
-
-    from .engine import Engine
-    from .loading import dry_settings, suppressed_ids
-    from .sampling import Sampler, SamplerSettings
-    from .window import MIN_FREE, Window
-
     n = outlines.plan_count(cfg.tokens, cfg.sections)
     ids = prompt_ids(lm.tok, outlines.planning_prompt(brief, n), raw=False)
     most = n * outlines.PLAN_TITLE_TOKENS + 16
