@@ -91,7 +91,7 @@ def measure(model: Forward, cache: Cache, reps: int = 3, sizes=SIZES, tries: int
 
 def _measure_once(model: Forward, cache: Cache, reps: int, sizes) -> CostCurve:
     free = cache.capacity - cache.length
-    sizes = [n for n in sizes if n <= free]
+    sizes = [n for n in sizes if n <= min(free, getattr(model, "max_rows", n))]  # llama.cpp: its exact batch size
     pos0 = max(0, cache.length)
     out = []
     for n in sizes:

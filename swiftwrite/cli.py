@@ -108,6 +108,9 @@ def generate(
                              "number to both, or leave --tp out under torchrun.")
         cfg.tp = here.world
     elif cfg.tp > 1:
+        if cfg.backend == "ggml":
+            raise UsageError("--backend ggml runs in one process; drop --tp, or use --backend torch for tensor "
+                             "parallelism.")
         m.ranks.check_world(cfg.tp, cfg.device)
         raise typer.Exit(m.ranks.launch(cfg.tp, sys.argv[1:]))
     raise typer.Exit(m.writer.generate(cfg, prompt, run_dir, out, quiet, no_live, stats_json))

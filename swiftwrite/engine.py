@@ -92,7 +92,8 @@ class Engine:
         self.cost_at = cost_at
         self._cost_bucket = -1
         self.stop_ids = set(stop_ids)
-        max_nodes = 1 + (min(budget, MAX_BUDGET) if budget is not None else MAX_BUDGET) if self.sources else 1
+        most = min(MAX_BUDGET, getattr(model, "max_rows", MAX_BUDGET + 1) - 1)  # a forward's exact rows (ggmlmodel)
+        max_nodes = 1 + (min(budget, most) if budget is not None else most) if self.sources else 1
         self.max_nodes = max_nodes
         self.cache = model.new_cache(window.context + max_nodes)
         self.S = torch.zeros(max(capacity, window.context + 1), dtype=torch.long)
@@ -253,7 +254,7 @@ class Engine:
             if not (resting and src.costly):
                 src.propose(tree, hist, max_depth, limit)
         if self.budget is not None:
-            return self.budget, False
+            return min(self.budget, limit), False
         bucket = self.cache.length // COST_BUCKET
         if self.cost_at is not None and bucket != self._cost_bucket:
             self.cost, self._cost_bucket = self.cost_at(self.cache), bucket

@@ -52,17 +52,18 @@ def binding():
     if _binding is None:
         try:
             import llama_cpp  # heavy optional dependency (a compiled library), loaded only for the ggml backend
-        except Exception as e:  # ImportError, or OSError from a library that cannot load on this machine
-            raise BackendMissing(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
 
-        @llama_cpp.llama_log_callback
-        def keep(level, text, user_data):  # errors (3) and warnings (2) are kept for messages; nothing is printed
-            if level in (2, 3) and text:
-                _log.append(text.decode("utf-8", "replace").strip())
+            @llama_cpp.llama_log_callback
+            def keep(level, text, user_data):  # errors (3) and warnings (2) are kept for messages; none printed
+                if level in (2, 3) and text:
+                    _log.append(text.decode("utf-8", "replace").strip())
 
+            llama_cpp.llama_log_set(keep, ctypes.c_void_p(0))
+            llama_cpp.llama_backend_init()
+        except Exception as e:  # not installed; a library that cannot load here (OSError); a binding of another API
+            why = str(e).splitlines()[0] if str(e) else ""
+            raise BackendMissing(f"{type(e).__name__}: {why}"[:160]) from None
         _callback = keep  # a ctypes callback must outlive its registration
-        llama_cpp.llama_log_set(_callback, ctypes.c_void_p(0))
-        llama_cpp.llama_backend_init()
         _binding = llama_cpp
     return _binding
 

@@ -41,7 +41,7 @@ NUMERIC_BAD = [  # (option, value): every numeric option given a non-number, a n
     ("stop-on-loop", "8"),  # under the loop tracker's floor of 16
 ]
 NAMES_BAD = [("draft", "everything"), ("template", "poem"), ("device", "tpu"), ("dtype", "int4"), ("head-mode", "sideways"),
-             ("attention", "cuda-magic"), ("weights", "int3"), ("weights", "float32"),
+             ("attention", "cuda-magic"), ("weights", "int3"), ("weights", "float32"), ("backend", "vulkan"),
              ("dry-breakers", ""), ("dry-breakers", "\\n,")]  # an empty breaker: nothing, or after the last comma
 
 # (id, argv, expected exit status, stdin). {placeholders} are paths from the `world` fixture; {run} is a fresh
@@ -104,6 +104,10 @@ CASES = [
     ("model-dir-truncated-safetensors [loads tokenizer]", [*GEN, "--model", "{model_truncated}"], 1, None),
     ("model-gguf-garbage", [*GEN, "--model", "{gguf}"], 1, None),
     ("model-gguf-missing", [*GEN, "--model", "{tmp}/absent.gguf"], 1, None),
+    ("backend-ggml-safetensors-model", [*GEN, "--model", "{model_truncated}", "--backend", "ggml"], 1, None),
+    ("backend-ggml-with-tp", [*GEN, "--backend", "ggml", "--tp", "2"], 2, None),
+    ("backend-ggml-with-int4", [*GEN, "--backend", "ggml", "--weights", "int4"], 1, None),
+    ("backend-ggml-with-heads", [*GEN[:-4], "--backend", "ggml", "--draft", "heads", "--tokens", "4"], 1, None),
     ("weights-int4-layer-the-kernel-cannot-pack", [*GEN, "--model", "{model_int4_unpackable}", "--weights", "int4"], 1, None),
     ("models-pull-unknown", ["models", "pull", "gpt-17"], 1, None),
     # bench: refused before any long work

@@ -1,0 +1,173 @@
+"""Which forward runs the model: our PyTorch forward (`torch`) or llama.cpp's ggml kernels (`ggml`, ggmlmodel.py).
+
+`--backend auto` (the default) is measured, not assumed: the first run of a model on a machine times a plain step
+of each candidate whose text is the model's own (the GGUF's bits in llama.cpp; its float weights in torch; torch's
+int8/int4 re-quantizations are another model's text and are not candidates), keeps the times in the store beside
+the cost curves (`backends.json`, keyed by model, threads and the CPU's vector extensions) and picks the faster.
+One line says what was chosen and why. Where llama.cpp's binding is missing or cannot load, auto runs the torch
+path with a one-line notice; an explicit `--backend ggml` is then an error that says how to install it.
+
+llama.cpp runs a GGUF on the CPU in one process: a model without a GGUF (safetensors), a GPU, tensor parallelism,
+torch's --weights int8/int4, a --dtype, or multi-token heads (they read a hidden state llama.cpp does not expose)
+keep `auto` on torch and make `--backend ggml` a sentence saying what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from . import ggmlmodel
+from .errors import UserError
+from .paths import GGUF_FILE, fingerprint, home
+
+BACKENDS = ("auto", "torch", "ggml")
+TIMED_STEPS = 24  # plain steps timed per candidate (after 8 of warm-up), once per model and machine
+FLASH_ATTN = 1  # llama.cpp's flash attention: the attention whose batches keep a single step's bits (check_rows)
+
+
+def cpu_extensions() -> list[str]:
+    """The CPU's vector extensions that matter to the kernels (for every figure and the stats JSON)."""
+    try:
+        flags = set()
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):
+                    flags.update(line.split(":", 1)[1].split())
+    except OSError:
+        return [platform.machine()]
+    names = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX-512-BF16", "avx512_vnni": "AVX-512-VNNI",
+             "amx_tile": "AMX", "asimd": "NEON", "sve": "SVE"}
+    return [label for flag, label in names.items() if flag in flags] or [platform.machine()]
+
+
+def gguf_path(model_dir: Path) -> Path | None:
+    p = Path(model_dir) / GGUF_FILE
+    return p if p.is_file() else None
+
+
+def why_not_ggml(cfg, model_dir: Path, device: str) -> str | None:
+    """Why this run cannot use llama.cpp, as a sentence that says what to do; None when it can."""
+    if gguf_path(model_dir) is None:
+        return (f"the ggml backend runs GGUF models, and {model_dir} holds no GGUF (safetensors only); "
+                "use --backend torch, or give a .gguf file as --model.")
+    if cfg.tp > 1:
+        return "the ggml backend runs in one process; drop --tp, or use --backend torch for tensor parallelism."
+    if device != "cpu":
+        return f"the ggml backend runs on the CPU here, and this run is on {device}; use --backend torch or --device cpu."
+    if cfg.weights in ("int8", "int4"):
+        return (f"--weights {cfg.weights} re-quantizes for the torch path; the ggml backend runs the GGUF's own "
+                "weights: drop --weights, or use --backend torch.")
+    if cfg.dtype not in ("auto", "float32"):
+        return (f"--dtype {cfg.dtype} applies to the torch path; the ggml backend computes in the GGUF's own types: "
+                "drop --dtype, or use --backend torch.")
+    if cfg.draft == "heads":
+        return ("multi-token heads read a hidden state llama.cpp does not expose; use --draft all (recycling and "
+                "n-gram) with the ggml backend, or --backend torch.")
+    try:
+        ggmlmodel.binding()
+    except ggmlmodel.BackendMissing as e:
+        return (f"the ggml backend needs llama-cpp-python, which does not load here ({e}); install it with "
+                "pip install 'swiftwrite[ggml]', or use --backend torch.")
+    return None
+
+
+def choose(cfg, model_dir: Path, device: str, say=lambda msg: None) -> str:
+    """`cfg.backend` resolved to torch or ggml before any weight is read (the timing of `auto` comes later, in
+    `measured`, once the checks of the input have passed). Raises UserError for an impossible explicit choice."""
+    if cfg.backend == "torch":
+        return "torch"
+    why = why_not_ggml(cfg, model_dir, device)
+    if cfg.backend == "ggml":
+        if why:
+            raise UserError(why)
+        return "ggml"
+    if why and "llama-cpp-python" in why and gguf_path(model_dir) is not None:
+        say("llama-cpp-python is not installed or does not load, so the model runs on the torch path "
+            "(pip install 'swiftwrite[ggml]' for llama.cpp's kernels).")
+    return "torch" if why else "auto"
+
+
+def load_ggml(model_dir: Path, mcfg, threads: int) -> "ggmlmodel.GgmlModel":
+    """The GGUF in llama.cpp, with the rows a decode may carry exactly (check_rows) measured once per machine."""
+    model = ggmlmodel.GgmlModel(gguf_path(model_dir), mcfg, threads=threads, flash_attn=FLASH_ATTN)
+    key = _key(model_dir, threads) + "/rows"
+    store = _read()
+    if isinstance(store.get(key), dict) and "max_rows" in store[key]:
+        model.max_rows, model.rows_note = int(store[key]["max_rows"]), store[key].get("note")
+    else:
+        model.rows_note = model.check_rows()
+        store[key] = {"max_rows": model.max_rows, "note": model.rows_note}
+        _write(store)
+    return model
+
+
+def measured(model_dir: Path, threads: int, load_torch, load_ggml_model, say=lambda msg: None) -> tuple[str, object]:
+    """`auto`: the faster of the two on this machine, timed at the first run and kept. Returns the name and the
+    loaded model (at the first run both are loaded and timed; the slower one is dropped)."""
+    key = _key(model_dir, threads)
+    store = _read()
+    times = store.get(key)
+    if isinstance(times, dict) and {"torch", "ggml"} <= set(times):
+        name = "ggml" if times["ggml"] <= times["torch"] else "torch"
+        model = load_ggml_model() if name == "ggml" else load_torch()
+    else:
+        ggml, torch_model = load_ggml_model(), load_torch()
+        times = {"ggml": step_ms(ggml), "torch": step_ms(torch_model)}
+        store[key] = times
+        _write(store)
+        name = "ggml" if times["ggml"] <= times["torch"] else "torch"
+        model = ggml if name == "ggml" else torch_model
+    other = "torch" if name == "ggml" else "ggml"
+    say(f"backend: {name} ({'llama.cpp' if name == 'ggml' else 'PyTorch'}): a step takes {times[name]:.1f} ms against "
+        f"{times[other]:.1f} ms on {other} on this machine ({'/'.join(cpu_extensions())}, {threads} threads; measured "
+        f"once, kept in {_path()}; --backend {other} to insist)")
+    return name, model
+
+
+def step_ms(model) -> float:
+    """Median milliseconds of a plain one-token step after a 64-token context."""
+    cache = model.new_cache(64 + 8 + TIMED_STEPS + 1)
+    ctx = torch.arange(64) % model.cfg.vocab_size
+    model.forward(ctx, torch.arange(64), cache, logits_for=slice(-1, None))
+    cache.length = 64
+    times = []
+    for i in range(8 + TIMED_STEPS):
+        t = time.perf_counter()
+        model.forward(torch.tensor([i + 7]), torch.tensor([cache.length]), cache)
+        times.append(time.perf_counter() - t)
+        cache.length += 1
+    if hasattr(cache, "close"):
+        cache.close()
+    return 1e3 * sorted(times[8:])[len(times[8:]) // 2]
+
+
+def _key(model_dir: Path, threads: int) -> str:
+    return f"{fingerprint(Path(model_dir))}/{threads}t/{'-'.join(cpu_extensions())}"
+
+
+def _path() -> Path:
+    return home() / "backends.json"
+
+
+def _read() -> dict:
+    try:
+        data = json.loads(_path().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(data: dict) -> None:
+    try:
+        _path().parent.mkdir(parents=True, exist_ok=True)
+        tmp = _path().with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(_path())
+    except OSError:
+        pass  # a store we cannot write only costs a measurement next time

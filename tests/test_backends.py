@@ -1,0 +1,107 @@
+"""Choosing the backend (swiftwrite/backends.py): what makes llama.cpp impossible is one sentence that says what to do;
+`auto` without a working binding runs torch with a notice; `auto` with one times both on this machine once, keeps
+the times, and afterwards loads only the faster; a binding that imports but fails is reported, not a traceback."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from gguf_tiny import write_gguf
+from swiftwrite import backends, ggmlmodel
+from swiftwrite.config import Config
+from swiftwrite.errors import UserError
+from swiftwrite.model import load_lean
+from tiny import tiny_hf_model
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWIFTWRITE_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def gguf_dir(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    write_gguf(d / "model.gguf", vocab=96, tied=True)
+    (d / "config.json").write_text("{}")
+    return d
+
+
+@pytest.fixture
+def broken_binding(monkeypatch):
+    """A llama_cpp that imports but is not the API we call (what an incompatible or broken install looks like)."""
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
+    monkeypatch.setattr(ggmlmodel, "_binding", None)
+
+
+def test_a_binding_that_imports_but_fails_is_one_reason_not_a_traceback(broken_binding):
+    with pytest.raises(ggmlmodel.BackendMissing, match="AttributeError"):
+        ggmlmodel.binding()
+
+
+@pytest.mark.parametrize("setting, words", [
+    (dict(tp=2), "one process"),
+    (dict(device="cuda"), "CPU"),
+    (dict(weights="int4"), "drop --weights"),
+    (dict(dtype="bfloat16"), "drop --dtype"),
+    (dict(draft="heads"), "--draft all"),
+])
+def test_what_llama_cpp_cannot_run_is_a_sentence_naming_what_to_do(gguf_dir, setting, words):
+    cfg = Config(backend="ggml", **setting)
+    why = backends.why_not_ggml(cfg, gguf_dir, setting.get("device", "cpu"))
+    assert words in why and why.endswith(".")
+    with pytest.raises(UserError, match="backend torch"):
+        backends.choose(cfg, gguf_dir, setting.get("device", "cpu"))
+    assert backends.choose(Config(backend="auto", **setting), gguf_dir, setting.get("device", "cpu")) == "torch"
+
+
+def test_a_model_without_a_gguf_runs_torch_and_ggml_says_why(tmp_path):
+    assert "no GGUF" in backends.why_not_ggml(Config(backend="ggml"), tmp_path, "cpu")
+    assert backends.choose(Config(backend="auto"), tmp_path, "cpu") == "torch"
+
+
+def test_auto_without_a_working_binding_runs_torch_with_one_notice(gguf_dir, broken_binding):
+    said = []
+    assert backends.choose(Config(backend="auto"), gguf_dir, "cpu", said.append) == "torch"
+    assert len(said) == 1 and "pip install 'swiftwrite[ggml]'" in said[0]
+    with pytest.raises(UserError, match="needs llama-cpp-python"):
+        backends.choose(Config(backend="ggml"), gguf_dir, "cpu")
+
+
+def test_auto_times_both_once_keeps_the_times_and_then_loads_only_the_faster(gguf_dir, tmp_path, home):
+    pytest.importorskip("llama_cpp")
+    from test_ggml import tiny_config
+
+    torch_dir, _ = tiny_hf_model("llama", out_dir=tmp_path / "torch")
+    loads = {"torch": 0, "ggml": 0}
+
+    def load_torch():
+        loads["torch"] += 1
+        return load_lean(torch_dir)
+
+    def load_ggml():
+        loads["ggml"] += 1
+        return ggmlmodel.GgmlModel(gguf_dir / "model.gguf", tiny_config(), threads=1, flash_attn=1)
+
+    said = []
+    name, model = backends.measured(gguf_dir, 1, load_torch, load_ggml, said.append)
+    assert loads == {"torch": 1, "ggml": 1}
+    times = next(v for k, v in backends._read().items() if not k.endswith("/rows"))
+    assert name == min(times, key=times.get)
+    assert model.__class__.__name__ == ("GgmlModel" if name == "ggml" else "LeanModel")
+    assert len(said) == 1 and said[0].startswith(f"backend: {name}")
+    again, _ = backends.measured(gguf_dir, 1, load_torch, load_ggml)
+    assert again == name and loads[name] == 2 and sum(loads.values()) == 3  # the loser is not loaded again
+
+
+def test_the_cpu_extensions_are_named():
+    ext = backends.cpu_extensions()
+    assert ext and all(isinstance(e, str) for e in ext)
+    flags = open("/proc/cpuinfo").read() if sys.platform == "linux" else ""
+    if " avx2 " in flags:
+        assert "AVX2" in ext
