@@ -1,16 +1,21 @@
-"""Does an 8B-shaped quantized GGUF fit and run on this machine? Memory and speed of `swiftwrite generate` on it.
+"""Does an 8B-shaped quantized GGUF fit and run on this machine? Memory and speed of `swiftwrite generate` on it,
+beside llama.cpp's own loop on the same file.
 
-    python bench/big_model.py --out bench/results/big_model-DATE.json
+    python bench/big_model.py --out bench/results/big_model-DATE.json            # ggml backend vs llama.cpp
+    python bench/big_model.py --torch --out ...                                   # also the torch int4 path
 
 Builds, in --dir, a model with Llama-3-8B's layers (hidden 4096, 32 layers, 32 query / 8 key-value heads,
 feed-forward 14336, rope theta 500000) and the default model's tokenizer (49,152 ids, so 7.4B parameters
 instead of 8.0B), laid out as the store lays out an imported GGUF: config.json, the tokenizer, `model.gguf`.
 The GGUF's matrices are random Q4_0 blocks (a fixed fp16 scale, random 4-bit codes: the bytes and the
-de-quantizing work of a real Q4_0 file), its norms float32. Nothing is downloaded; the text it writes is noise.
+de-quantizing work of a real Q4_0 file), its norms float32, and it carries the default model's tokenizer metadata,
+so llama.cpp loads the same file. Nothing is downloaded; the text it writes is noise.
 
-Then, in fresh processes (so each peak resident memory is its own), `swiftwrite generate --weights int4`:
-  1. the first run, which also quantizes the GGUF to the int4 kernel's layout a layer at a time;
-  2. a second run that reads the stored int4 file.
+Then, in fresh processes (so each peak resident memory is its own), one after the other:
+  1. llama.cpp plain: llama-cpp-python's own loop on the GGUF, greedy (the peer);
+  2. `swiftwrite generate --backend ggml` (the same kernels behind our engine);
+  3. with --torch: `swiftwrite generate --backend torch --weights int4`, twice (the first run quantizes the GGUF to
+     the int4 kernel's layout a layer at a time; the second reads the stored int4 file).
 Each row: wall seconds, the process's peak resident memory (its own rusage, from wait4), the run's own
 tokens/s, and the bytes on disk (the GGUF, the int4 file). Writes machine, date and
 settings beside the figures.
@@ -71,6 +76,8 @@ def write_model(d: Path, layers: int, default_dir: Path) -> int:
     w.add_head_count_kv(SHAPE["kv_heads"])
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(SHAPE["rope_theta"])
+    for key, value, types in tokenizer_fields(default_dir / store.GGUF_FILE):  # so llama.cpp can load the file
+        w.add_key_value(key, value, types[0], sub_type=types[1] if len(types) > 1 else None)
     for name, (rows, cols) in mats.items():  # Q4_0: per 32 inputs an fp16 scale and 16 bytes of 4-bit codes
         w.add_tensor_info(name, (rows, cols // 32 * 18), np.dtype(np.uint8), rows * cols // 32 * 18, raw_dtype=T.Q4_0)
     for name in norms:
@@ -93,11 +100,33 @@ def write_model(d: Path, layers: int, default_dir: Path) -> int:
     return sum(r * c for r, c in mats.values()) + len(norms) * h
 
 
-def run_once(d: Path, prompt: Path, tokens: int, threads: int, stats: Path) -> dict:
-    cmd = [sys.executable, "-m", "swiftwrite.cli", "generate", str(prompt), "--model", str(d), "--weights", "int4",
-           "--tokens", str(tokens), "--draft", "none", "--threads", str(threads), "--temperature", "0",
-           "--run-dir", str(stats.with_suffix("")), "--stats-json", str(stats), "--quiet",
-           "--out", str(stats.with_suffix(".txt"))]
+def tokenizer_fields(gguf: Path) -> list:
+    """(key, value, types) of every tokenizer.* field of a GGUF."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(gguf))
+    return [(k, f.contents(), f.types) for k, f in r.fields.items() if k.startswith("tokenizer.")]
+
+
+def peer(d: Path, tokens: int, threads: int, stats: Path) -> None:
+    """In a child process: llama.cpp's own greedy loop on the GGUF, its tokens/s written to `stats`."""
+    from swiftwrite import peers
+
+    prompt = list(range(100, 132))
+    llm = peers.load_llamacpp(d / "model.gguf", threads, len(prompt) + tokens + 16)
+    secs, toks = peers.llamacpp_generate(llm, prompt, tokens, dict(temperature=0.0, min_p=0.0, penalty=1.0))
+    stats.write_text(json.dumps({"tokens": len(toks), "seconds": round(secs, 3), "tokens_per_second": len(toks) / secs}))
+
+
+def run_once(d: Path, prompt: Path, tokens: int, threads: int, stats: Path, backend: str) -> dict:
+    if backend == "llama.cpp":
+        cmd = [sys.executable, str(Path(__file__)), "--peer", str(d), "--tokens", str(tokens), "--threads",
+               str(threads), "--out", str(stats)]
+    else:
+        cmd = [sys.executable, "-m", "swiftwrite.cli", "generate", str(prompt), "--model", str(d), "--backend",
+               backend, "--tokens", str(tokens), "--draft", "none", "--threads", str(threads), "--temperature", "0",
+               "--run-dir", str(stats.with_suffix("")), "--stats-json", str(stats), "--quiet",
+               "--out", str(stats.with_suffix(".txt"))] + (["--weights", "int4"] if backend == "torch" else [])
     t0 = time.perf_counter()
     err = open(stats.with_suffix(".stderr"), "w+")
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
@@ -119,7 +148,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--keep", action="store_true", help="keep the model directory and its int4 file")
+    ap.add_argument("--torch", action="store_true", help="also run the torch path with --weights int4 (twice)")
+    ap.add_argument("--peer", type=Path, help=argparse.SUPPRESS)  # the llama.cpp child (run_once)
     a = ap.parse_args()
+    if a.peer:
+        return peer(a.peer, a.tokens, a.threads, Path(a.out))
 
     from swiftwrite import quant, store
 
@@ -135,16 +168,22 @@ def main() -> None:
         "machine": common.machine(),  # a dict (cpu, cores, memory_gib, isa ...) since 2026-12; a string before
         "shape": {**SHAPE, "layers": a.layers, "vocab": json.loads((d / "config.json").read_text())["vocab_size"]},
         "parameters": params, "gguf_bytes": (d / "model.gguf").stat().st_size, "gguf_build_s": round(build_s, 1),
-        "settings": {"tokens": a.tokens, "threads": a.threads, "weights": "int4", "draft": "none", "greedy": True},
+        "settings": {"tokens": a.tokens, "threads": a.threads, "draft": "none", "greedy": True, "penalty": "off"},
         "runs": [],
     }
-    for label in ("first (quantizes the GGUF)", "second (reads the int4 file)"):
-        row = run_once(d, prompt, a.tokens, a.threads, d / f"stats-{len(report['runs'])}.json")
+    runs = [("llama.cpp", "llama.cpp plain (the peer)"), ("ggml", "swiftwrite --backend ggml")]
+    if a.torch:
+        runs += [("torch", "swiftwrite --backend torch --weights int4, first (quantizes the GGUF)"),
+                 ("torch", "swiftwrite --backend torch --weights int4, second (reads the int4 file)")]
+    for backend, label in runs:
+        row = run_once(d, prompt, a.tokens, a.threads, d / f"stats-{len(report['runs'])}.json", backend)
         row["run"] = label
         report["runs"].append(row)
         print(json.dumps(row)[:400], flush=True)
-        if row["rc"] != 0:
-            break
+    peer_row, ggml_row = report["runs"][0], report["runs"][1]
+    if peer_row.get("tok_s") and ggml_row.get("tok_s"):
+        report["ggml_vs_llamacpp"] = {"speed": round(ggml_row["tok_s"] / peer_row["tok_s"], 3),
+                                      "peak_memory": round(ggml_row["peak_rss_mib"] / peer_row["peak_rss_mib"], 3)}
     packed = quant.packed_path(d, "int4")
     report["int4_bytes"] = packed.stat().st_size if packed.is_file() else None
     report["float_copy_written"] = any(d.glob("*.safetensors"))

@@ -17,14 +17,24 @@ from pathlib import Path
 
 import torch
 
+from .backends import cpu_extensions, gguf_path
+from . import loading, prompt
 from .config import Config
+from .hf import transformers
+from .loading import build_engine, fit_budget
 from .errors import UsageError, UserError
 from .metrics import distinct, distinct_n, first_divergence, longest_repeat, median, speedup
+from .peers import llamacpp_generate, load_llamacpp
+from .prompt import TEMPLATE_DIRS
+from .ui import Display
+from .weightfiles import keep_float_copy
 
-# name -> the Config fields it sets; None: transformers generate
+# name -> the Config fields it sets; None: a peer (transformers generate, llama.cpp's own loop on the same GGUF)
 METHODS = {
     "hf": None,
     "hf-lookup": None,
+    "llama.cpp": None,
+    "llama.cpp-lookup": None,
     "none": dict(draft="none"),
     "recycling": dict(draft="recycling"),
     "recycling-static": dict(draft="recycling", static_tree=True),
@@ -38,8 +48,10 @@ METHODS = {
     "all-b8": dict(draft="all", budget="8"),
     "all-b16": dict(draft="all", budget="16"),
 }
-QUICK = ["hf", "none", "all"]
-DEFAULT = ["hf", "hf-lookup", "none", "recycling", "ngram", "heads", "all", "all-b4", "all-b16"]
+QUICK = ["llama.cpp", "hf", "none", "all"]
+DEFAULT = ["llama.cpp", "llama.cpp-lookup", "hf", "hf-lookup", "none", "recycling", "ngram", "heads", "all", "all-b4",
+           "all-b16"]
+PEERS = ("hf", "hf-lookup", "llama.cpp", "llama.cpp-lookup")
 SETTINGS = {
     "greedy": dict(temperature=0.0, min_p=0.0, penalty=1.2),
     "sample": dict(temperature=0.7, min_p=0.1, penalty=1.2),
@@ -75,8 +87,6 @@ def workload(name: str) -> Workload:
 def workload_ids(tok, name: str) -> tuple[list[int], int]:
     """A workload's prompt ids and where its written text starts for the penalties (as loading.text_start_for:
     with a source, after the prompt; without, 0)."""
-    from . import prompt
-
     w = workload(name)
     brief = prompt.read_prompt(str(find_prompt(w.brief)))
     source = prompt.read_source(str(find_prompt(w.source))) if w.source else None
@@ -142,7 +152,8 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"cpu": cpu, "isa": cpu_extensions(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
             "python": platform.python_version(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
@@ -169,8 +180,6 @@ def validate(methods: list[str], settings: list[str], repeats: int, tokens: int,
 
 def find_prompt(name: str) -> Path:
     """A file named in prompts/ (the checkout's or the installed templates), else the path as given."""
-    from .prompt import TEMPLATE_DIRS
-
     return next((d / name for d in (Path("."), *TEMPLATE_DIRS) if (d / name).is_file()), Path(name))
 
 
@@ -185,21 +194,20 @@ def check_workloads(names: list[str]) -> None:
 def run(methods: list[str], settings: list[str], prompts: list[str], tokens: int, repeats: int, out: Path | None,
         model: str = "smollm2-135m", log=print) -> dict:
     """`prompts`: workload names (WORKLOADS) or prompt files."""
-    from . import loading
-    from .ui import Display
-
     validate(methods, settings, repeats, tokens, out)
     check_workloads(prompts)
     display = Display("quiet")
     lm = loading.load(Config(model=model), display)
     hf = None
     if any(m.startswith("hf") for m in methods):
-        from transformers import AutoModelForCausalLM
-
-        from .weightfiles import keep_float_copy
-
         keep_float_copy(lm.ref.path)  # transformers reads safetensors: a GGUF store model's float copy
-        hf = AutoModelForCausalLM.from_pretrained(str(lm.ref.path), dtype=torch.float32).eval()
+        hf = transformers().AutoModelForCausalLM.from_pretrained(str(lm.ref.path), dtype=torch.float32).eval()
+    llamas = {}
+    for method in [m for m in methods if m.startswith("llama.cpp")]:
+        gguf = gguf_path(lm.ref.path)
+        if gguf is None:
+            raise UsageError(f"{method} runs the model's GGUF, and {lm.ref.path} holds none; leave it out of --methods.")
+        llamas[method] = None  # loaded below, once the prompts' lengths are known
     prompt_ids, text_start = {}, {}
     for p in prompts:
         ids, start = workload_ids(lm.tok, p)
@@ -209,10 +217,15 @@ def run(methods: list[str], settings: list[str], prompts: list[str], tokens: int
         name = p if p in WORKLOADS else Path(p).name
         prompt_ids[name] = ids
         text_start[name] = start
+    context = max(len(ids) for ids in prompt_ids.values()) + tokens + 16
+    for method in llamas:
+        llamas[method] = load_llamacpp(gguf_path(lm.ref.path), torch.get_num_threads(), context,
+                                       lookup=method.endswith("lookup"))
+    peers = {"hf": hf, **llamas}
     # Warm-up, untimed: the first forwards of each shape pay for allocator and kernel set-up.
     first = next(iter(prompt_ids.values()))
-    for method in {"none", "all", *(m for m in methods if m.startswith("hf"))} & set(methods) | {"none"}:
-        run_one(method, SETTINGS["greedy"], first, 16, lm, hf, display, 0)
+    for method in {"none", "all", *(m for m in methods if m in PEERS)} & set(methods) | {"none"}:
+        run_one(method, SETTINGS["greedy"], first, 16, lm, peers, display, 0)
     results: dict[tuple, Result] = {}
     for rep in range(repeats):
         for setting in settings:
@@ -220,7 +233,7 @@ def run(methods: list[str], settings: list[str], prompts: list[str], tokens: int
                 for method in methods:
                     r = results.setdefault((method, setting, pname), Result(method, setting, pname, [], []))
                     _reset_peak_rss()
-                    o = run_one(method, SETTINGS[setting], ids, tokens, lm, hf, display, text_start[pname])
+                    o = run_one(method, SETTINGS[setting], ids, tokens, lm, peers, display, text_start[pname])
                     r.seconds.append(o.seconds)
                     r.tokens, r.forwards, r.per_source, r.draft_forwards, r.trace = \
                         o.tokens, o.forwards, o.per_source, o.draft_forwards, o.trace
@@ -235,10 +248,13 @@ def run(methods: list[str], settings: list[str], prompts: list[str], tokens: int
     return report
 
 
-def run_one(method, setting, ids, n, lm, hf, display, text_start=0):
-    """One generation of `n` tokens by `method` (a swiftwrite draft method, or hf / hf-lookup) under `setting`."""
-    from .loading import build_engine, fit_budget
-
+def run_one(method, setting, ids, n, lm, peers, display, text_start=0):
+    """One generation of `n` tokens by `method` (a swiftwrite draft method, or a peer: hf, hf-lookup, llama.cpp,
+    llama.cpp-lookup, loaded in `peers` by name) under `setting`."""
+    if method.startswith("llama.cpp"):
+        secs, toks = llamacpp_generate(peers[method], ids, n, setting)
+        return One(secs, toks)
+    hf = peers["hf"] if isinstance(peers, dict) else peers
     if method.startswith("hf"):
         kw = dict(max_new_tokens=n, min_new_tokens=n, repetition_penalty=setting["penalty"], pad_token_id=lm.tok.eos_token_id)
         if setting["temperature"] > 0:
@@ -278,18 +294,20 @@ def _report(results, methods, settings, prompt_ids, tokens, repeats, lm) -> dict
         rate = tokens / median(r.seconds)
         base = results.get(("none", setting, pname))
         hf = results.get(("hf", setting, pname))
+        llama = results.get(("llama.cpp", setting, pname))
         rows.append({
             "method": method, "setting": setting, "prompt": pname,
             "tokens_per_second": round(rate, 2),
             "seconds": [round(s, 2) for s in r.seconds],
             "speedup_vs_none": speedup(rate, tokens / median(base.seconds)) if base else None,
             "speedup_vs_generate": speedup(rate, tokens / median(hf.seconds)) if hf else None,
+            "speedup_vs_llamacpp": speedup(rate, tokens / median(llama.seconds)) if llama else None,
             "mean_tokens_per_forward": round(tokens / r.forwards, 3) if r.forwards else None,
             "draft_forwards": r.draft_forwards,
             "trace": r.trace,
             "peak_rss_mib": r.peak_mib,
             "accepted_per_forward": {k: round(v / r.forwards, 3) for k, v in r.per_source.items()} if r.per_source else None,
-            "first_divergence_vs_none": (first_divergence(r.tokens, base.tokens) if base and not method.startswith("hf") else "n/a"),
+            "first_divergence_vs_none": (first_divergence(r.tokens, base.tokens) if base and method not in PEERS else "n/a"),
             **distinct(r.tokens),
             "longest_repeat": longest_repeat(r.tokens),
             # beside the speed trace: a method that got faster because the text looped shows it here
@@ -298,29 +316,33 @@ def _report(results, methods, settings, prompt_ids, tokens, repeats, lm) -> dict
         })
     return {
         "date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": lm.ref.name, "fingerprint": lm.ref.fingerprint,
+        "backend": lm.backend,
         "tokens": tokens, "repeats": repeats, "prompts": {k: len(v) for k, v in prompt_ids.items()},
         "settings": {s: SETTINGS[s] for s in settings}, "penalty_window": Config().penalty_window,
         "note": "hf methods: transformers generate, repetition_penalty over the whole sequence (swiftwrite: last "
-                f"{Config().penalty_window} tokens); "
-                "their text differs, so no divergence check.",
+                f"{Config().penalty_window} tokens); llama.cpp methods: llama-cpp-python's own loop and sampler on the "
+                "same GGUF (repeat penalty over its last 256 tokens, no DRY); "
+                "peers' text differs, so no divergence check.",
         "rows": rows,
     }
 
 
 def markdown(report: dict) -> str:
-    head = ("| setting | prompt | method | tok/s | × none | × generate | tok/forward | accepted/forward | D-1 | D-4 | "
-            "longest repeat | peak MiB | first diff |\n"
-            "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|\n")
+    head = ("| setting | prompt | method | tok/s | × none | × llama.cpp | × generate | tok/forward | accepted/forward | D-1 | "
+            "D-4 | longest repeat | peak MiB | first diff |\n"
+            "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|\n")
     lines = []
     for r in report["rows"]:
         acc = ", ".join(f"{k} {v}" for k, v in (r["accepted_per_forward"] or {}).items()) or "-"
         extra = f" (+{r['draft_forwards']} draft fwd)" if r.get("draft_forwards") else ""
         lines.append(f"| {r['setting']} | {r['prompt']} | {r['method']} | {r['tokens_per_second']} | {r['speedup_vs_none'] or '-'} | "
+                     f"{r.get('speedup_vs_llamacpp') or '-'} | "
                      f"{r['speedup_vs_generate'] or '-'} | {r['mean_tokens_per_forward'] or '-'}{extra} | {acc} | {r['distinct_1']} | "
                      f"{r['distinct_4']} | {r.get('longest_repeat', '-')} | {r.get('peak_rss_mib') or '-'} | {r['first_divergence_vs_none']} |")
     m = report["machine"]
-    meta = (f"{report['date']}, {m['cpu']} ({m['cores']} cores, {m['torch_threads']} torch threads), torch {m['torch']}, "
-            f"model {report['model']}, {report['tokens']} new tokens, {report['repeats']} repeat(s), penalty window "
+    meta = (f"{report['date']}, {m['cpu']} ({'/'.join(m.get('isa') or [])}; {m['cores']} cores, {m['torch_threads']} "
+            f"threads), torch {m['torch']}, model {report['model']} on the {report.get('backend', 'torch')} backend, "
+            f"{report['tokens']} new tokens, {report['repeats']} repeat(s), penalty window "
             f"{report['penalty_window']}.\n\n")
     return meta + head + "\n".join(lines) + "\n"
 
@@ -329,10 +351,10 @@ def plot(report: dict, out: Path) -> list[Path]:
     """Throughput, tokens per forward pass and Distinct-4 over the last QUALITY_WINDOW tokens along the
     generated position, one PNG per setting and prompt (from each method's last repeat). Needs matplotlib (`pip install swiftwrite[plot]`); without it, none."""
     try:
-        import matplotlib
+        import matplotlib  # optional (the plot extra): the bench's PNGs only
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional, as above
     except ImportError:
         return []
     made = []

@@ -39,6 +39,11 @@ class Forward(Protocol):
       pads_trees: bool = False  a tree's products run over ops.tree_rows(n) rows, so the cost curve measures those
                                 (loading.py, budget.CostCurve)
       fallback: bool = False    the transformers fallback (hfmodel.HFModel): no multi-token heads (loading.py)
+      hidden: bool = True       the hidden states are real (ggmlmodel.GgmlModel: no, so no heads)
+      max_rows: int             most tokens one tree forward computes exactly (ggmlmodel: measured at load); trees
+                                and the cost curve stay within it (engine.py, budget.py)
+      scratch_lengths: bool = True  a forward may run at cache.length past the committed tokens (the cost curve of
+                                a later context bucket, measured ahead: loading.fit_budget); llama.cpp cannot
       model                     the wrapped LeanModel of a graphs.GraphedModel (exact.check sets its `rows`)
     """
 

@@ -38,7 +38,7 @@ CTX_STEP = 256  # llama.cpp contexts are sized in these steps
 PROBE_TOKENS = 128  # tokens of the start-up exactness probe (`check_rows`)
 PROBE_SIZES = (128, 96, 63, 48, 32, 16, 8, 4, 2)  # batch sizes it tries, largest first
 
-_log: deque[str] = deque(maxlen=8)  # llama.cpp's last messages: the reason behind a failed load, said in one line
+_log: deque[tuple[int, str]] = deque(maxlen=16)  # llama.cpp's last messages: the reason behind a failed load, said in one line
 _binding = None
 _callback = None
 
@@ -56,7 +56,7 @@ def binding():
             @llama_cpp.llama_log_callback
             def keep(level, text, user_data):  # errors (3) and warnings (2) are kept for messages; none printed
                 if level in (2, 3) and text:
-                    _log.append(text.decode("utf-8", "replace").strip())
+                    _log.append((level, text.decode("utf-8", "replace").strip()))
 
             llama_cpp.llama_log_set(keep, ctypes.c_void_p(0))
             llama_cpp.llama_backend_init()
@@ -78,7 +78,12 @@ def system_info() -> str:
 
 
 def last_message() -> str:
-    return next((m for m in reversed(_log) if m), "no reason given")
+    """llama.cpp's last error (else its last warning): the reason behind a failed load or decode."""
+    for wanted in (3, 2):
+        for level, text in reversed(_log):
+            if level == wanted and text:
+                return text
+    return "no reason given"
 
 
 class GgmlCache:
@@ -182,6 +187,9 @@ class GgmlModel:
 
     fallback = False
     hidden = False  # no state before the final norm: multi-token heads cannot read it
+    # a forward must follow the committed positions (llama.cpp checks each sequence's positions), so a cost curve
+    # cannot be measured at a scratch length past them: later context buckets are measured when the run gets there
+    scratch_lengths = False
 
     def __init__(self, path: Path, cfg, threads: int, flash_attn: int = 0):
         """`cfg`: the model's ModelConfig (sizes, end ids, positions), read from the store's config.json.

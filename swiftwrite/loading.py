@@ -382,20 +382,21 @@ def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display:
     loop (bench) or stalls a step mid-run."""
     if not engine.sources or engine.budget is not None:
         return
-
-
-
     key = f"{lm.ref.fingerprint}/{lm.model.device.type}/{str(lm.model.dtype)}/{torch.get_num_threads()}t"
     key += ("/graphs" if lm.cuda_graphs else "") + (f"/attn-{lm.attention}" if lm.attention != "auto" else "")
-    key += f"/w-{lm.weights}" if lm.weights != "float" else ""  # quantized products cost another curve
+    key += f"/w-{lm.weights}" if lm.weights != "float" and lm.backend == "torch" else ""  # quantized products
     key += f"/tp{lm.tp}" if lm.tp > 1 else ""  # a sharded forward costs its products / tp plus the all-reduces
-
+    key += f"/{lm.backend}" if lm.backend != "torch" else ""  # llama.cpp's kernels: another curve
     # a model whose trees' rows are padded (model.tree_rows): 9 tokens cost it what 16 do
     padded = getattr(lm.model, "pads_trees", False)
+    # llama.cpp cannot run at a scratch length past the committed tokens (its sequences' positions are checked), so
+    # a later bucket could only be measured when the run gets there, inside the loop; its one curve, measured at the
+    # start, is kept for the whole run instead (the budget compares costs, and the sizes' ratios move little)
+    bucketed = getattr(lm.model, "scratch_lengths", True)
 
     def cost_at(cache):
         # measured once per model, device, dtype, thread count and 1K-token context bucket, then cached on disk
-        bucket = cache.length // COST_BUCKET
+        bucket = cache.length // COST_BUCKET if bucketed else 0
         curve = budget_mod.cached_curve(home() / "cost_curves.json", f"{key}/ctx{bucket}",
                                         lambda: budget_mod.measure(lm.model, cache))
         return curve.padded(tree_rows) if padded else curve
@@ -403,7 +404,7 @@ def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display:
     engine.cost_at = cost_at
     engine.cost = cost_at(engine.cache)
     engine._cost_bucket = engine.cache.length // COST_BUCKET
-    if upto:
+    if upto and bucketed:
         cache, length = engine.cache, engine.cache.length
         try:
             last = min(upto, engine.window.context, cache.capacity - budget_mod.SIZES[-1]) // COST_BUCKET

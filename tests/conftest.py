@@ -8,7 +8,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from swiftwrite import store
+# The suite tests the torch path unless a test asks for llama.cpp (tests/test_ggml.py, test_cli_ggml.py,
+# test_backends.py): `auto` would time both at the first run and pick the faster, which on most machines is
+# llama.cpp, and the torch tests compare with transformers and in-process torch engines. Subprocesses inherit it.
+os.environ.setdefault("SWIFTWRITE_BACKEND", "torch")
+
+from swiftwrite import store  # noqa: E402
 from swiftwrite.errors import UserError
 
 

@@ -48,6 +48,7 @@ def clean_env(**extra) -> dict[str, str]:
     # shared CI runner, the test's own polling) two spinning threads on two cores slowed a 32-token run from
     # 8 s to 30-50 s. The waiting policy changes no number the model computes.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env["SWIFTWRITE_BACKEND"] = os.environ.get("SWIFTWRITE_BACKEND", "torch")  # the path under test (conftest.py)
     env.update(extra)
     return env
 

@@ -1,0 +1,95 @@
+"""`swiftwrite generate` and `resume` on llama.cpp's kernels (--backend ggml), end to end on the real default model:
+drafting writes exactly what plain decoding writes, greedy and sampled; a SIGKILL between checkpoints resumes to the
+uninterrupted bytes; the run directory records the backend and `resume` keeps it; the statistics name the backend
+and the CPU's vector extensions; `auto` says what it chose and why in one line. Slow: each test runs the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import yaml
+
+from test_cli import SAMPLED, Background, clean_env, read_tokens, state_tokens, sw, text_of, wait_for
+
+if not os.environ.get("SWIFTWRITE_REQUIRE_GGML"):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'swiftwrite[ggml]')")
+
+pytestmark = pytest.mark.slow
+T, CHUNK = 96, 24
+GREEDY = ["--temperature", "0"]
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle.\n"
+
+
+def env(**extra):
+    return clean_env(SWIFTWRITE_BACKEND="ggml", **extra)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, default_model_dir):
+    w = tmp_path_factory.mktemp("cli-ggml")
+    (w / "prompt.txt").write_text(PROMPT)
+    return w
+
+
+def run(work, name, *args, e=None):
+    d = work / name
+    p = sw("generate", work / "prompt.txt", "--run-dir", d, "--tokens", T, "--chunk", CHUNK, "--quiet", *args,
+           env=e or env(), cwd=work)
+    assert p.returncode == 0, p.stderr.decode(errors="replace")
+    return d
+
+
+@pytest.mark.parametrize("mode", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_drafting_on_llama_cpp_writes_what_plain_decoding_writes(work, mode):
+    name = "g" if mode is GREEDY else "s"
+    plain = run(work, f"{name}-none", *mode, "--draft", "none")
+    drafted = run(work, f"{name}-all", *mode, "--draft", "all", "--budget", "4")  # a fixed budget: trees every step
+    assert read_tokens(drafted) == read_tokens(plain)
+    assert text_of(drafted) == text_of(plain)
+
+
+def test_the_run_records_the_backend_and_the_stats_name_it_with_the_cpu(work):
+    d = run(work, "stats", *GREEDY, "--stats-json", work / "stats.json")
+    assert yaml.safe_load((d / "config.yaml").read_text())["backend"] == "ggml"
+    stats = json.loads((work / "stats.json").read_text())
+    assert stats["backend"] == "ggml" and stats["cpu"] and stats["tokens"] == T
+    assert "heads" not in stats["per_source"]  # llama.cpp exposes no hidden state: "all" drafts without heads
+
+
+def test_sigkill_between_checkpoints_then_resume_gives_the_uninterrupted_tokens(work):
+    ref = run(work, "kill-ref", *SAMPLED)
+    d, tmp = work / "kill", work / "kill.proc"
+    tmp.mkdir()
+    bg = Background(tmp, ["generate", work / "prompt.txt", "--run-dir", d, "--tokens", T, "--chunk", CHUNK, *SAMPLED,
+                          "--quiet"], env=env(SWIFTWRITE_SLOW_CHECKPOINT="0.3"))
+    wait_for(lambda: state_tokens(d) >= CHUNK, bg.proc)
+    bg.proc.kill()
+    rc, _, err = bg.finish()
+    assert rc == -signal.SIGKILL, err
+    # resume with the torch default in the environment: the run's own backend (ggml) must win
+    p = sw("resume", d, "--quiet", env=clean_env(SWIFTWRITE_BACKEND="torch"), cwd=work)
+    assert p.returncode == 0, p.stderr
+    assert read_tokens(d) == read_tokens(ref) and text_of(d) == text_of(ref)
+
+
+def test_auto_says_once_which_backend_it_chose_and_why(work, tmp_path):
+    e = clean_env(SWIFTWRITE_BACKEND="auto", SWIFTWRITE_HOME=str(tmp_path / "home"))
+    models = tmp_path / "home" / "models"
+    models.mkdir(parents=True)
+    os.symlink(default_model_dir_of(work), models / "smollm2-135m")
+    d = tmp_path / "run"
+    p = sw("generate", work / "prompt.txt", "--run-dir", d, "--tokens", 8, "--no-live", *GREEDY, env=e, cwd=work)
+    assert p.returncode == 0, p.stderr
+    lines = [ln for ln in p.stderr.decode().splitlines() if ln.startswith("backend: ")]
+    assert len(lines) == 1 and " ms against " in lines[0], p.stderr
+    chosen = lines[0].split()[1]
+    assert yaml.safe_load((d / "config.yaml").read_text())["backend"] == chosen
+
+
+def default_model_dir_of(work):
+    from swiftwrite import store
+
+    return store.locate(store.DEFAULT_MODEL)
