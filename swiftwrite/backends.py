@@ -96,7 +96,7 @@ def choose(cfg, model_dir: Path, device: str, say=lambda msg: None) -> str:
 def load_ggml(model_dir: Path, mcfg, threads: int) -> "ggmlmodel.GgmlModel":
     """The GGUF in llama.cpp, with the rows a decode may carry exactly (check_rows) measured once per machine."""
     model = ggmlmodel.GgmlModel(gguf_path(model_dir), mcfg, threads=threads, flash_attn=FLASH_ATTN)
-    key = _key(model_dir, threads) + "/rows"
+    key = _key(model_dir, threads) + "/rows-v2"  # v2: the probe includes a long context
     store = _read()
     if isinstance(store.get(key), dict) and "max_rows" in store[key]:
         model.max_rows, model.rows_note = int(store[key]["max_rows"]), store[key].get("note")
@@ -113,11 +113,20 @@ def measured(model_dir: Path, threads: int, load_torch, load_ggml_model, say=lam
     key = _key(model_dir, threads)
     store = _read()
     times = store.get(key)
+    rows = store.get(key + "/rows-v2")
+    if isinstance(rows, dict) and rows.get("note"):  # llama.cpp's batches are not exact here (load_ggml's probe)
+        say(f"backend: torch: llama.cpp {rows['note']}, so its prefill and resume could not be exact at speed "
+            "(--backend ggml runs it anyway, a token at a time after the prompt, without drafts)")
+        return "torch", load_torch()
     if isinstance(times, dict) and {"torch", "ggml"} <= set(times):
         name = "ggml" if times["ggml"] <= times["torch"] else "torch"
         model = load_ggml_model() if name == "ggml" else load_torch()
     else:
-        ggml, torch_model = load_ggml_model(), load_torch()
+        ggml = load_ggml_model()
+        if getattr(ggml, "rows_note", None):
+            del ggml
+            return measured(model_dir, threads, load_torch, load_ggml_model, say)  # said and chosen just above
+        torch_model = load_torch()
         times = {"ggml": step_ms(ggml), "torch": step_ms(torch_model)}
         store[key] = times
         _write(store)

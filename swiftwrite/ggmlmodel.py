@@ -35,8 +35,11 @@ from .errors import UserError
 MAX_ROWS = 128  # rows one llama_decode may carry (a forward over more runs in several)
 MAX_SEQS = 64  # sequence ids: the most leaves a tree of MAX_BUDGET + 1 nodes has
 CTX_STEP = 256  # llama.cpp contexts are sized in these steps
-PROBE_TOKENS = 128  # tokens of the start-up exactness probe (`check_rows`)
-PROBE_SIZES = (128, 96, 63, 48, 32, 16, 8, 4, 2)  # batch sizes it tries, largest first
+# the start-up exactness probe (`check_rows`): its tokens, and the batch sizes it tries, largest first. It runs once
+# per model and machine (the result is kept), and on an 8B model 64 single steps are already ~25 s on 2 cores
+PROBE_TOKENS = 64
+PROBE_SIZES = (64, 63, 48, 32, 16, 8, 4, 2)
+PROBE_CONTEXT, PROBE_BATCH = 768, 8  # and the same at a long context (see _check_long_context)
 
 _log: deque[tuple[int, str]] = deque(maxlen=16)  # llama.cpp's last messages: the reason behind a failed load, said in one line
 _binding = None
@@ -330,6 +333,36 @@ class GgmlModel:
             tree, _ = self.forward(tokens, start + torch.tensor(depth), cache, anc)
             if not torch.equal(tree[:k], single[start:]):
                 return "a draft tree's rows compute other bits than single steps in llama.cpp here"
+        finally:
+            cache.close()
+        return self._check_long_context()
+
+    def _check_long_context(self) -> str | None:
+        """The same comparison after PROBE_CONTEXT tokens of context. Measured 2026-12-04 (2 threads, flash
+        attention): llama.cpp computes a single step's attention over a long context split across its threads,
+        and a batch's not, so from ~512 tokens on a step and a batch differ in the last bits (with one thread they
+        agree). Then nothing may be batched after the prompt: `max_rows` becomes 1, so plain decoding, resume and
+        rebuilds compute every row as a single step does, and drafting is off."""
+        if self.cfg.max_positions < PROBE_CONTEXT + 2 * PROBE_BATCH:
+            return None  # the model never attends that far
+        rng = np.random.default_rng(1)
+        ctx = torch.from_numpy(rng.integers(0, self.vocab, PROBE_CONTEXT)).long()
+        ids = torch.from_numpy(rng.integers(0, self.vocab, PROBE_BATCH)).long()
+        cache = self.new_cache(PROBE_CONTEXT + 2 * PROBE_BATCH)
+        try:
+            self.forward(ctx, torch.arange(PROBE_CONTEXT), cache, logits_for=slice(0, 0))
+            cache.length = PROBE_CONTEXT
+            single = []
+            for i in range(PROBE_BATCH):
+                logits, _ = self.forward(ids[i : i + 1], torch.tensor([PROBE_CONTEXT + i]), cache)
+                cache.length += 1
+                single.append(logits[0])
+            cache.length = PROBE_CONTEXT
+            batch, _ = self.forward(ids, PROBE_CONTEXT + torch.arange(PROBE_BATCH), cache)
+            if not torch.equal(batch, torch.stack(single)):
+                self.max_rows = 1
+                return (f"after {PROBE_CONTEXT} tokens of context a batch computes other bits than single steps in "
+                        f"llama.cpp with {self.threads} threads here")
             return None
         finally:
             cache.close()

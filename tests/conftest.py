@@ -45,3 +45,31 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Test tiers. `pytest -m "not slow"` is the edit loop (tiny random models, in-process, minutes); CI runs
+# everything. A test is slow when it loads the real default model (it asks for `default_model_dir`, directly or
+# through another fixture) or starts processes: whole modules that drive the command line or spawn ranks, and
+# the few tests elsewhere that start a process of their own.
+SLOW_MODULES = {"test_cli", "test_cli_ggml", "test_outline_cli", "test_tp_cli", "test_kill_sweep", "test_gpu_check",
+                "test_bad_input", "test_packaging"}
+SLOW_TESTS = {
+    "test_the_cli_writes_with_a_fallback_model_and_says_so",  # test_hfmodel: the CLI in a subprocess
+    "test_the_kernel_compiles_to_gpu_code_for_ampere_and_hopper",  # test_kernels: Triton's compiler in a subprocess
+    "test_a_checkpoint_past_the_file_size_limit_raises_and_the_previous_checkpoint_still_opens",  # test_rundir
+    "test_a_process_killed_inside_the_checkpoint_window_leaves_the_previous_checkpoint",
+    "test_a_staging_directory_left_by_a_killed_create_is_swept_and_the_path_stays_free",
+    "test_an_open_in_another_process_is_refused_until_the_holder_is_killed",
+    "test_speculative_equals_plain_decoding_under_two_ranks",  # test_parallel: gloo ranks as processes
+    "test_two_ranks_against_one_process",
+    "test_a_rank_that_cannot_load_its_shard_stops_every_rank_with_one_sentence",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if (module in SLOW_MODULES or item.originalname in SLOW_TESTS
+                or "default_model_dir" in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

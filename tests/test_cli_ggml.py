@@ -84,8 +84,10 @@ def test_auto_says_once_which_backend_it_chose_and_why(work, tmp_path):
     p = sw("generate", work / "prompt.txt", "--run-dir", d, "--tokens", 8, "--no-live", *GREEDY, env=e, cwd=work)
     assert p.returncode == 0, p.stderr
     lines = [ln for ln in p.stderr.decode().splitlines() if ln.startswith("backend: ")]
-    assert len(lines) == 1 and " ms against " in lines[0], p.stderr
-    chosen = lines[0].split()[1]
+    assert len(lines) == 1, p.stderr
+    chosen = lines[0].split()[1].rstrip(":")
+    # the times of both, or why llama.cpp could not be exact here (its batches at a long context, with 2 threads)
+    assert " ms against " in lines[0] or "could not be exact" in lines[0]
     assert yaml.safe_load((d / "config.yaml").read_text())["backend"] == chosen
 
 
