@@ -8,6 +8,7 @@ printed as one line on stderr with exit status 1 (2 for usage); never a tracebac
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 import traceback
@@ -21,6 +22,7 @@ from rich.table import Table
 
 from . import config as config_mod
 from .errors import RankLost, UsageError, UserError
+from .options import OPTIONS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Write long documents with a local language model, faster, token for token unchanged.")
@@ -38,53 +40,48 @@ def heavy() -> SimpleNamespace:
     return SimpleNamespace(bench=bench, ranks=ranks, store=store, train_heads=train_heads, ui=ui, writer=writer)
 
 
+def with_options(after: dict[str, tuple[str, ...]]):
+    """Give a command the table's options (options.OPTIONS) besides its own parameters. Typer reads parameters from
+    a signature: the decorated function takes the table's as keyword arguments (**flags, None where not given) and
+    this builds the signature Typer sees. A bool row is a flag (--raw); any other is taken as a string, typed later
+    by config.resolve, so a bad value gets the same sentence as from YAML or the environment. In --help the table's
+    options follow the function's first parameter, each of its own named in `after` follows that row, and the rest
+    of its own come last."""
+
+    def row(o) -> inspect.Parameter:
+        if o.type is bool:
+            info, kind = Opt(None, config_mod.flag(o.name), help=o.help), Optional[bool]
+        else:
+            info, kind = Opt(None, metavar=o.metavar, help=o.help), Optional[str]
+        return inspect.Parameter(o.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=info, annotation=kind)
+
+    def decorate(func):
+        own = {p.name: p for p in inspect.signature(func).parameters.values() if p.kind is not p.VAR_KEYWORD}
+        unknown = set(after) - {o.name for o in OPTIONS}
+        if unknown:  # their parameters would vanish from the command
+            raise TypeError(f"with_options: no option {sorted(unknown)} in options.OPTIONS to place parameters after")
+        first, placed = next(iter(own)), {name for names in after.values() for name in names}
+        params = [own[first]]
+        for o in OPTIONS:
+            params += [row(o), *(own[name] for name in after.get(o.name, ()))]
+        params += [p for name, p in own.items() if name != first and name not in placed]
+        func.__signature__ = inspect.Signature(params)
+        return func
+
+    return decorate
+
+
 @app.command()
+@with_options(after={"tokens": ("out", "run_dir"), "raw": ("config",)})
 def generate(
     prompt: str = typer.Argument(..., metavar="PROMPT", help="Prompt file, or - to read standard input."),
-    model: Optional[str] = Opt(None, metavar="NAME", help="Alias, model directory, .gguf file or Hugging Face id in the local cache."),
-    tokens: Optional[str] = Opt(None, metavar="N", help="New tokens to write (default 2000)."),
     out: Optional[Path] = Opt(None, metavar="FILE", help="Write the text to this file instead of standard output."),
     run_dir: Optional[Path] = Opt(None, metavar="DIR", help="Run directory (default runs/<slug>-<time>)."),
-    template: Optional[str] = Opt(None, metavar="NAME", help="novel | report | structured | revise | none."),
-    source: Optional[str] = Opt(None, metavar="FILE", help="A document to draw on (a report's material; the draft revise rewrites), put in the prompt."),
-    raw: Optional[bool] = Opt(None, "--raw", help="Continue the prompt as plain text, no chat template."),
     config: Optional[Path] = Opt(None, metavar="FILE", help="YAML file with options."),
-    seed: Optional[str] = Opt(None, metavar="S", help="Sampling seed, 0 to 2^32-1 (default 0)."),
-    temperature: Optional[str] = Opt(None, metavar="T", help="0 = greedy (default 0.7)."),
-    top_p: Optional[str] = Opt(None, metavar="P", help="Nucleus mass in (0, 1]; 1 = off (default)."),
-    min_p: Optional[str] = Opt(None, metavar="P", help="In [0, 1]; 0 = off (default 0.1)."),
-    top_k: Optional[str] = Opt(None, metavar="K", help="0 = off (default)."),
-    penalty: Optional[str] = Opt(None, metavar="THETA", help="Repetition penalty theta; 1 = off (default 1.2)."),
-    penalty_window: Optional[str] = Opt(None, metavar="W", help="Tokens the penalty looks back (default 256)."),
-    dry_multiplier: Optional[str] = Opt(None, metavar="M", help="N-gram repetition suppression strength; 0 = off (default 0.8)."),
-    dry_base: Optional[str] = Opt(None, metavar="B", help="Its growth per repeated token, >= 1 (default 1.75)."),
-    dry_allowed_length: Optional[str] = Opt(None, metavar="N", help="Repeats this long pass unpunished (default 3)."),
-    dry_window: Optional[str] = Opt(None, metavar="N", help="Tokens it looks back; 0 = the whole text (default)."),
-    dry_breakers: Optional[str] = Opt(None, metavar="LIST", help="Strings a repeat never runs across, comma-separated (default \\n); none = no breakers."),
-    stop_on_loop: Optional[str] = Opt(None, metavar="N", help="End the run when the text repeats its last N tokens (>= 16) verbatim: checkpoint, exit status 3; 0 = off (default)."),
-    stop_at_eos: Optional[bool] = Opt(None, "--stop-at-eos", help="Stop at end-of-text instead of writing --tokens."),
-    chunk: Optional[str] = Opt(None, metavar="N", help="Tokens between checkpoints (default 256)."),
-    draft: Optional[str] = Opt(None, metavar="NAME", help="none | recycling | ngram | heads | all (default all)."),
-    budget: Optional[str] = Opt(None, metavar="B", help="Draft nodes per step: auto or 1..63."),
-    static_tree: Optional[bool] = Opt(None, "--static-tree", help="Recycling: the paper's static 81-node tree."),
-    head_mode: Optional[str] = Opt(None, metavar="MODE", help="Heads: fused (default) or two-pass (a draft forward first)."),
-    draft_kv_budget: Optional[str] = Opt(None, metavar="N", help="Two-pass: slots of the partial draft cache (default 4096)."),
-    context: Optional[str] = Opt(None, metavar="N", help="Tokens the model attends to (default: the model's window)."),
-    device: Optional[str] = Opt(None, metavar="NAME", help="auto | cpu | cuda."),
-    dtype: Optional[str] = Opt(None, metavar="NAME", help="auto | float32 | bfloat16 | float16."),
-    weights: Optional[str] = Opt(None, metavar="NAME", help="auto | float | int8 | int4: quantized linear layers on the CPU (default auto = float)."),
-    backend: Optional[str] = Opt(None, metavar="NAME", help="auto | torch | ggml: our PyTorch forward or llama.cpp's kernels on the GGUF (default auto: the faster here, measured once)."),
-    attention: Optional[str] = Opt(None, metavar="NAME", help="auto | torch | triton | flash (GPU kernels; default auto)."),
-    cuda_graphs: Optional[bool] = Opt(None, "--cuda-graphs", help="Replay verification forwards from CUDA graphs (GPU)."),
-    threads: Optional[str] = Opt(None, metavar="N", help="CPU threads; 0 = torch's default, fewer while other processes keep cores busy (same text)."),
-    tp: Optional[str] = Opt(None, metavar="N", help="Tensor parallelism: split the model over N ranks (GPUs, or CPU cores), 1/N of the weights each; 1 = off (default)."),
-    outline: Optional[str] = Opt(None, metavar="FILE", help="Markdown outline to follow: '## ' headings, notes, {tokens: N} budgets."),
-    plan: Optional[bool] = Opt(None, "--plan", help="Let the model write the outline from the brief first, then the document."),
-    plan_only: Optional[bool] = Opt(None, "--plan-only", help="Write the planned outline and stop (edit it, pass it to --outline)."),
-    sections: Optional[str] = Opt(None, metavar="N", help="--plan: sections to plan (default: one per 2,000 tokens, 3 to 50)."),
     quiet: bool = Opt(False, "--quiet", help="Print nothing but the text."),
     no_live: bool = Opt(False, "--no-live", help="Plain progress lines instead of the live panel."),
     stats_json: Optional[Path] = Opt(None, metavar="FILE", help="Write the final statistics as JSON."),
+    **flags: Optional[str],
 ):
     """Write a document from a prompt, checkpointing into a run directory.
 
@@ -92,18 +89,10 @@ def generate(
     after 3 or 130 / 143, `swiftwrite resume RUN_DIR` continues.
     """
     m = heavy()
-    flags = dict(model=model, tokens=tokens, template=template, source=source, raw=raw, seed=seed, temperature=temperature,
-                 top_p=top_p, min_p=min_p, top_k=top_k, penalty=penalty, penalty_window=penalty_window,
-                 dry_multiplier=dry_multiplier, dry_base=dry_base, dry_allowed_length=dry_allowed_length,
-                 dry_window=dry_window, dry_breakers=dry_breakers, stop_on_loop=stop_on_loop,
-                 stop_at_eos=stop_at_eos, chunk=chunk, draft=draft, budget=budget, static_tree=static_tree,
-                 head_mode=head_mode, draft_kv_budget=draft_kv_budget, context=context, device=device, dtype=dtype,
-                 weights=weights, backend=backend, attention=attention, cuda_graphs=cuda_graphs, threads=threads, tp=tp, outline=outline,
-                 plan=plan, plan_only=plan_only, sections=sections)
     cfg = config_mod.resolve(config, flags)
     here = m.ranks.current
     if here is not None:  # one rank of a group (torchrun, or a --tp launch): the group's size is the degree
-        if tp is not None and cfg.tp != here.world:
+        if flags["tp"] is not None and cfg.tp != here.world:
             raise UsageError(f"--tp {cfg.tp} was given, but this command runs as {here.world} ranks; give the same "
                              "number to both, or leave --tp out under torchrun.")
         cfg.tp = here.world

@@ -1,7 +1,8 @@
 """The one configuration object. Built-in defaults < --config YAML < SWIFTWRITE_* environment < flags.
 
-Every field has a unit, a range and a reason. Only this module turns strings into typed values, so every
-way of setting an option is validated by the same code and fails with the same sentence.
+Every field has a unit, a range and a reason: the fields, their defaults and the reasons are the table in
+options.py, the ranges are `Config.validate`. Only this module turns strings into typed values, so every way of
+setting an option is validated by the same code and fails with the same sentence.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from .errors import UsageError
+from .options import BY_NAME, OPTIONS
 
 DRAFT_CHOICES = ("none", "recycling", "ngram", "heads", "all")
 HEAD_MODES = ("fused", "two-pass")
@@ -38,76 +40,23 @@ MAX_SECTIONS = 200  # outline.MAX_SECTIONS, repeated so that reading options sta
 MAX_TOKENS = 10_000_000  # far past any model's usefulness; catches a typo'd extra zero or two
 
 
-@dataclass
+def _fields_from_options(cls):
+    """Make `cls` a dataclass whose fields are the rows of options.OPTIONS, in the table's order, with its types
+    and defaults. A field declared in the class body (none yet) follows them: a setting that is no option."""
+    own = dict(cls.__dict__.get("__annotations__", {}))
+    clash = sorted(set(own) & set(BY_NAME))
+    if clash:
+        raise TypeError(f"{cls.__name__} declares {clash}, which options.OPTIONS already declares")
+    cls.__annotations__ = {**{o.name: o.type for o in OPTIONS}, **own}
+    for o in OPTIONS:
+        setattr(cls, o.name, o.default)
+    return dataclass(cls)
+
+
+@_fields_from_options
 class Config:
-    model: str = "smollm2-135m"  # alias, model directory, .gguf file or upstream id in the local HF cache
-    tokens: int = 2000  # new tokens to write (end-of-text is suppressed until then unless stop_at_eos)
-    template: str = "none"  # novel | report | structured | revise | none: wrap the brief in an instruction from prompts/
-    # a text file the document draws on (a report's material, the draft `revise` rewrites), put in the prompt.
-    # With one, the penalty and the n-gram suppression count only the written text: restating the source's
-    # names and figures is the point, not a repeat. "" = none. Read once at `generate`, like an outline
-    source: str = ""
-    raw: bool = False  # feed the prompt as plain text to continue, without the chat template
-    seed: int = 0  # sampling seed in [0, 2^32); the noise at position p depends only on (seed, p)
-    # 0.7 with min-p 0.1 and the penalty over 256 tokens keeps the 135M default model's prose at its own level
-    # for 10,000 tokens (README "Long texts"); at 1.0 it drifts into nonsense within a few hundred tokens.
-    temperature: float = 0.7  # 0 = greedy; >= 0
-    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
-    min_p: float = 0.1  # in [0, 1]; keep tokens with p >= min_p * p_max (TokenSwift's long-form setting)
-    top_k: int = 0  # 0 = off
-    penalty: float = 1.2  # theta of the contextual penalty (TokenSwift); 1 = off; >= 1
-    # W: the penalty sees the last W tokens, prompt included. 256, not TokenSwift's 1,024: over 1,024 tokens every
-    # common id is penalised, and the 135M default model turns to word salad within ~3,500 tokens; over 256 it
-    # stays prose (README "Long texts", bench/dry_sweep.py). Verbatim loops of any period are DRY's job.
-    penalty_window: int = 256
-    # n-gram repetition suppression (DRY): a token that would continue a verbatim repeat of L >= allowed_length
-    # tokens loses multiplier * base^(L - allowed_length) from its logit. Defaults from bench/dry_sweep.py
-    dry_multiplier: float = 0.8  # 0 = off; >= 0
-    dry_base: float = 1.75  # growth per repeated token; >= 1
-    dry_allowed_length: int = 3  # repeats this long pass unpunished; >= 1
-    dry_window: int = 0  # tokens it looks back, prompt included; 0 = the whole text (no edge to set a period)
-    # strings that end a match (a token whose text holds one is a breaker), comma-separated, \n \t \, \\
-    # escapes; "none" = no breakers
-    dry_breakers: str = "\\n"
-    stop_on_loop: int = 0  # end the run (checkpoint, exit 3) when a verbatim repeat reaches N tokens; 0 = off, >= 16
-    stop_at_eos: bool = False  # stop at end-of-text instead of writing exactly `tokens`
-    chunk: int = 256  # tokens between checkpoints (token file flushed, state written atomically)
-    draft: str = "all"  # none | recycling | ngram | heads | all (heads join "all" when trained ones match the model)
-    budget: str = "auto"  # draft nodes per step: auto (fitted to this machine's cost curve) or 1..63
-    static_tree: bool = False  # recycling: use the paper's static 81-node tree instead of the budgeted one
-    # fused: heads read the verification pass's hidden state (one forward per step); two-pass: a separate
-    # one-token draft forward over the partial draft cache first (the paper's scheme; one level deeper)
-    head_mode: str = "fused"
-    draft_kv_budget: int = 4096  # two-pass: slots of the partial draft cache (sinks + important + recent)
-    context: int = 0  # tokens the model attends to; 0 = the model's window. Past it the context is rebuilt
-    device: str = "auto"  # auto | cpu | cuda
-    # auto = bfloat16 on a GPU with bfloat16, float32 elsewhere (README "Half precision"); bfloat16/float16 write
-    # another text than float32, and speculative output equals their own plain decoding by construction (exact.py)
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    # int8: per-channel symmetric, int4: groups of 32 asymmetric, both through torch's CPU kernels with bfloat16
-    # activations (~4x / ~5x less to read per token than float32); quantized once into the model store. Not the
-    # float model's text, but speculative output equals --draft none with the same weights. auto = float (README)
-    weights: str = "auto"  # auto | float | int8 | int4
-    # auto: the faster of torch float and llama.cpp on the GGUF's own bits, timed at the first run on this machine
-    # (backends.py); a run keeps the backend it was written with (another backend computes other last bits)
-    backend: str = "auto"  # auto | torch | ggml
-    attention: str = "auto"  # auto | torch | triton | flash: which attention kernels the forward uses
-    # replay the verification and decoding forwards from CUDA graphs (trees padded to 1, 2, 4 .. 64 nodes);
-    # CUDA with the Triton kernel only. Off by default until a GPU run shows it pays (bench/gpu_check.sh)
-    cuda_graphs: bool = False
-    # torch CPU threads; 0 = torch's default, lowered while other processes keep cores busy and raised again
-    # after, through counts a probe shows give the same bits (threads.py); N fixes the count
-    threads: int = 0
-    # tensor-parallel ranks: the model's heads and MLP columns split over N processes (GPUs, or CPU cores), each
-    # holding 1/N of the weights and KV cache (parallel.py, ranks.py); 1 = one process. Another text in the last
-    # bits of every sum, so a run is resumed with the degree it was written with
-    tp: int = 1
-    # a Markdown outline to follow: '## ' headings, optional notes under them, optional {tokens: N} budgets;
-    # "" = none. Read once at `generate`; the run directory keeps the plan, so `resume` never reads it again
-    outline: str = ""
-    plan: bool = False  # no outline given: the model writes one from the brief first (saved in the run directory)
-    plan_only: bool = False  # write the planned outline (stdout or --out) and stop, to edit and pass to --outline
-    sections: int = 0  # --plan: how many sections; 0 = one per 2,000 tokens of --tokens, 3 to 50
+    """One run's settings: a field per row of options.OPTIONS (see there for each one's meaning and default), set
+    by `resolve` from defaults, YAML, the environment and flags, then checked by `validate`."""
 
     def validate(self, where: dict[str, str] | None = None) -> "Config":
         """Check every range; `where` names the source of each value (e.g. "--top-p") for the message."""

@@ -16,8 +16,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "swiftwrite"
 LAYERS = [
     # foundations: the errors a user sees, where files live ($SWIFTWRITE_HOME), the lazy transformers gateway
     ["errors", "paths", "hf"],
-    # configuration: the run's options (config) and the model's shape (modelconfig)
-    ["config", "modelconfig"],
+    # configuration: the table of the run's options (options), the run's configuration (config), the model's shape
+    ["options", "config", "modelconfig"],
     # ops: arithmetic, KV caches, attention kernels, quantized kernels, weights on disk, exactness, the forward interface
     ["ops", "kvcache", "draftcache", "attention", "quant", "weightfiles", "exact", "forward"],
     # models: the implementations of forward.Forward, and the wrappers around the lean one

@@ -1,0 +1,129 @@
+"""Every option of a run, declared once: its name, type, default, metavar and the line `swiftwrite generate --help`
+shows. config.Config takes its fields from this table (same order, types and defaults) and cli.generate its options;
+tests/test_options.py checks that the README's options table names each one.
+
+A bool is a flag (`--raw`); every other option is read as a string and typed by config.coerce, the code that reads
+YAML and the environment too, so a bad value gets the same one-sentence error from every source. The comments say
+why each default is what it is; config.Config.validate holds the ranges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # the Config field; the flag is --name with dashes, the variable SWIFTWRITE_NAME
+    type: type  # bool, int, float or str: what config.coerce turns a value into
+    default: object
+    metavar: str  # the value's placeholder in --help; "" for a flag
+    help: str  # the line `swiftwrite generate --help` shows
+
+    def __post_init__(self):
+        if type(self.default) is not self.type:
+            raise TypeError(f"option {self.name}: default {self.default!r} is not a {self.type.__name__}")
+        if (self.type is bool) != (self.metavar == ""):
+            raise ValueError(f"option {self.name}: a flag (bool) has no metavar, an option with a value has one")
+
+
+OPTIONS: tuple[Option, ...] = (
+    # alias, model directory, .gguf file or upstream id in the local HF cache
+    Option("model", str, "smollm2-135m", "NAME",
+           "Alias, model directory, .gguf file or Hugging Face id in the local cache."),
+    # end-of-text is suppressed until then unless stop_at_eos
+    Option("tokens", int, 2000, "N", "New tokens to write (default 2000)."),
+    # wrap the brief in an instruction from prompts/
+    Option("template", str, "none", "NAME", "novel | report | structured | revise | none."),
+    # a text file the document draws on (a report's material, the draft `revise` rewrites), put in the prompt.
+    # With one, the penalty and the n-gram suppression count only the written text: restating the source's
+    # names and figures is the point, not a repeat. "" = none. Read once at `generate`, like an outline
+    Option("source", str, "", "FILE",
+           "A document to draw on (a report's material; the draft revise rewrites), put in the prompt."),
+    # feed the prompt as plain text to continue, without the chat template
+    Option("raw", bool, False, "", "Continue the prompt as plain text, no chat template."),
+    # in [0, 2^32); the noise at position p depends only on (seed, p)
+    Option("seed", int, 0, "S", "Sampling seed, 0 to 2^32-1 (default 0)."),
+    # 0.7 with min-p 0.1 and the penalty over 256 tokens keeps the 135M default model's prose at its own level
+    # for 10,000 tokens (README "Long texts"); at 1.0 it drifts into nonsense within a few hundred tokens. >= 0
+    Option("temperature", float, 0.7, "T", "0 = greedy (default 0.7)."),
+    Option("top_p", float, 1.0, "P", "Nucleus mass in (0, 1]; 1 = off (default)."),
+    # keep tokens with p >= min_p * p_max (TokenSwift's long-form setting)
+    Option("min_p", float, 0.1, "P", "In [0, 1]; 0 = off (default 0.1)."),
+    Option("top_k", int, 0, "K", "0 = off (default)."),
+    # theta of the contextual penalty (TokenSwift); >= 1
+    Option("penalty", float, 1.2, "THETA", "Repetition penalty theta; 1 = off (default 1.2)."),
+    # W: the penalty sees the last W tokens, prompt included. 256, not TokenSwift's 1,024: over 1,024 tokens every
+    # common id is penalised, and the 135M default model turns to word salad within ~3,500 tokens; over 256 it
+    # stays prose (README "Long texts", bench/dry_sweep.py). Verbatim loops of any period are DRY's job.
+    Option("penalty_window", int, 256, "W", "Tokens the penalty looks back (default 256)."),
+    # n-gram repetition suppression (DRY): a token that would continue a verbatim repeat of L >= allowed_length
+    # tokens loses multiplier * base^(L - allowed_length) from its logit. Defaults from bench/dry_sweep.py
+    Option("dry_multiplier", float, 0.8, "M", "N-gram repetition suppression strength; 0 = off (default 0.8)."),
+    Option("dry_base", float, 1.75, "B", "Its growth per repeated token, >= 1 (default 1.75)."),
+    Option("dry_allowed_length", int, 3, "N", "Repeats this long pass unpunished (default 3)."),
+    # prompt included; 0 = the whole text (no edge to set a period)
+    Option("dry_window", int, 0, "N", "Tokens it looks back; 0 = the whole text (default)."),
+    # strings that end a match (a token whose text holds one is a breaker), comma-separated, \n \t \, \\
+    # escapes; "none" = no breakers
+    Option("dry_breakers", str, "\\n", "LIST",
+           "Strings a repeat never runs across, comma-separated (default \\n); none = no breakers."),
+    # a verbatim repeat of N tokens ends the run (checkpoint, exit 3); at least 16 (config.MIN_LOOP)
+    Option("stop_on_loop", int, 0, "N", "End the run when the text repeats its last N tokens (>= 16) verbatim: "
+           "checkpoint, exit status 3; 0 = off (default)."),
+    Option("stop_at_eos", bool, False, "", "Stop at end-of-text instead of writing --tokens."),
+    # token file flushed, state written atomically at each
+    Option("chunk", int, 256, "N", "Tokens between checkpoints (default 256)."),
+    # heads join "all" when trained ones match the model
+    Option("draft", str, "all", "NAME", "none | recycling | ngram | heads | all (default all)."),
+    # auto: fitted to this machine's cost curve
+    Option("budget", str, "auto", "B", "Draft nodes per step: auto or 1..63."),
+    # instead of the budgeted one
+    Option("static_tree", bool, False, "", "Recycling: the paper's static 81-node tree."),
+    # fused: heads read the verification pass's hidden state (one forward per step); two-pass: a separate
+    # one-token draft forward over the partial draft cache first (the paper's scheme; one level deeper)
+    Option("head_mode", str, "fused", "MODE", "Heads: fused (default) or two-pass (a draft forward first)."),
+    # sinks + important + recent
+    Option("draft_kv_budget", int, 4096, "N", "Two-pass: slots of the partial draft cache (default 4096)."),
+    # 0 = the model's window. Past it the context is rebuilt
+    Option("context", int, 0, "N", "Tokens the model attends to (default: the model's window)."),
+    Option("device", str, "auto", "NAME", "auto | cpu | cuda."),
+    # auto = bfloat16 on a GPU with bfloat16, float32 elsewhere (README "Half precision"); bfloat16/float16 write
+    # another text than float32, and speculative output equals their own plain decoding by construction (exact.py)
+    Option("dtype", str, "auto", "NAME", "auto | float32 | bfloat16 | float16."),
+    # int8: per-channel symmetric, int4: groups of 32 asymmetric, both through torch's CPU kernels with bfloat16
+    # activations (~4x / ~5x less to read per token than float32); quantized once into the model store. Not the
+    # float model's text, but speculative output equals --draft none with the same weights. auto = float (README)
+    Option("weights", str, "auto", "NAME",
+           "auto | float | int8 | int4: quantized linear layers on the CPU (default auto = float)."),
+    # auto: the faster of torch float and llama.cpp on the GGUF's own bits, timed at the first run on this machine
+    # (backends.py); a run keeps the backend it was written with (another backend computes other last bits)
+    Option("backend", str, "auto", "NAME", "auto | torch | ggml: our PyTorch forward or llama.cpp's kernels on the "
+           "GGUF (default auto: the faster here, measured once)."),
+    # which attention kernels the forward uses
+    Option("attention", str, "auto", "NAME", "auto | torch | triton | flash (GPU kernels; default auto)."),
+    # replay the verification and decoding forwards from CUDA graphs (trees padded to 1, 2, 4 .. 64 nodes);
+    # CUDA with the Triton kernel only. Off by default until a GPU run shows it pays (bench/gpu_check.sh)
+    Option("cuda_graphs", bool, False, "", "Replay verification forwards from CUDA graphs (GPU)."),
+    # torch CPU threads; 0 = torch's default, lowered while other processes keep cores busy and raised again
+    # after, through counts a probe shows give the same bits (threads.py); N fixes the count
+    Option("threads", int, 0, "N",
+           "CPU threads; 0 = torch's default, fewer while other processes keep cores busy (same text)."),
+    # tensor-parallel ranks: the model's heads and MLP columns split over N processes (GPUs, or CPU cores), each
+    # holding 1/N of the weights and KV cache (parallel.py, ranks.py); 1 = one process. Another text in the last
+    # bits of every sum, so a run is resumed with the degree it was written with
+    Option("tp", int, 1, "N", "Tensor parallelism: split the model over N ranks (GPUs, or CPU cores), 1/N of the "
+           "weights each; 1 = off (default)."),
+    # a Markdown outline to follow: '## ' headings, optional notes under them, optional {tokens: N} budgets;
+    # "" = none. Read once at `generate`; the run directory keeps the plan, so `resume` never reads it again
+    Option("outline", str, "", "FILE",
+           "Markdown outline to follow: '## ' headings, notes, {tokens: N} budgets."),
+    # no outline given: the model writes one from the brief first (saved in the run directory)
+    Option("plan", bool, False, "", "Let the model write the outline from the brief first, then the document."),
+    # write the planned outline (stdout or --out) and stop, to edit and pass to --outline
+    Option("plan_only", bool, False, "", "Write the planned outline and stop (edit it, pass it to --outline)."),
+    # --plan: how many sections; 0 = one per 2,000 tokens of --tokens, 3 to 50
+    Option("sections", int, 0, "N", "--plan: sections to plan (default: one per 2,000 tokens, 3 to 50)."),
+)
+
+BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
