@@ -316,7 +316,7 @@ def _report(results, methods, settings, prompt_ids, tokens, repeats, lm) -> dict
         })
     return {
         "date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": lm.ref.name, "fingerprint": lm.ref.fingerprint,
-        "backend": lm.backend,
+        "backend": getattr(lm, "backend", "torch"),
         "tokens": tokens, "repeats": repeats, "prompts": {k: len(v) for k, v in prompt_ids.items()},
         "settings": {s: SETTINGS[s] for s in settings}, "penalty_window": Config().penalty_window,
         "note": "hf methods: transformers generate, repetition_penalty over the whole sequence (swiftwrite: last "

@@ -22,9 +22,8 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 INTERNAL: set[str] = set()
 # `generate`'s parameters that are not settings of the run: where the text goes, how progress shows, the YAML file
 CLI_ONLY = {"prompt", "out", "run_dir", "config", "quiet", "no_live", "stats_json"}
-# options whose row the README's table still lacks (README.md has another owner): each is an expected failure until
-# the row is written, then this entry goes
-README_PENDING = {"stop_at_eos"}
+# options whose row the README's table still lacks: each is an expected failure until the row is written
+README_PENDING: set[str] = set()
 
 
 def generate_command():

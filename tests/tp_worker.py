@@ -57,7 +57,7 @@ def plan_worker(rank: int, world: int, port: int, model_dir: str, out_file: str,
     here = ranks.join()
     if rank:
         Path(f"{out_file}.rank{rank}").write_text(json.dumps({"returned": here.follow()}))
-        return
+        leave()
     lm = SimpleNamespace(ref=SimpleNamespace(path=Path(model_dir)), device="cpu", dtype=torch.float32,
                          attention="auto")
     try:
@@ -68,3 +68,16 @@ def plan_worker(rank: int, world: int, port: int, model_dir: str, out_file: str,
     finally:
         here.release()
     Path(f"{out_file}.rank0").write_text(json.dumps({"said": said}))
+    leave()
+
+
+def leave() -> None:
+    """End this rank's process at once, as swiftwrite's ranks do (ranks.py): gloo's worker threads can abort the
+    interpreter's finalization ("terminate called without an active exception", SIGABRT), which fails the spawn
+    that started it although the rank's work is done and written."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
