@@ -169,7 +169,7 @@ class GgmlCache:
                 # check_rows made sure), into cells start.. in order
                 lib.llama_memory_seq_rm(self.mem, -1, start, -1)
                 lib.llama_memory_seq_keep(self.mem, self.main)
-                self.tree = None
+                self.tree = None  # the re-write below is a plain causal forward
                 self.model.forward(torch.tensor([self.tokens[i] for i in keep]), torch.arange(start, start + n), self,
                                    logits_for=slice(0, 0))
             self.tree = None

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,6 +35,7 @@ from safetensors import SafetensorError, safe_open
 
 from .errors import RankLost, UserError
 from .model import KVCache, LeanModel, ModelConfig, read_hf_config
+from .weightfiles import safetensors_files
 
 # what the leader sends, as the first word of a header
 FORWARD, NEW_CACHE, COMPACT, STOP = range(4)
@@ -94,11 +94,7 @@ def shard(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int, world: 
 def read_shard(model_dir, cfg: ModelConfig, rank: int, world: int) -> dict[str, torch.Tensor]:
     """This rank's weights read from a safetensors directory slice by slice: the rows and columns of the split
     products that are its own, and nothing of the others' (a rank's memory never holds the whole model)."""
-
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise UserError(f"{model_dir} has no .safetensors weights; convert the checkpoint to safetensors first.")
+    files = safetensors_files(model_dir)
     out: dict[str, torch.Tensor] = {}
     for f in files:
         try:

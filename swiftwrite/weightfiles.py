@@ -147,11 +147,17 @@ def open_weights(model_dir: Path) -> SafetensorsWeights | GGUFWeights:
                     "fetch the model again.")
 
 
-def load_safetensors_dir(model_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a directory's *.safetensors files, at once (a float model's load)."""
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """A directory's *.safetensors files in order; a sentence when it has none."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise UserError(f"{model_dir} has no .safetensors weights; convert the checkpoint to safetensors first.")
+    return files
+
+
+def load_safetensors_dir(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a directory's *.safetensors files, at once (a float model's load)."""
+    files = safetensors_files(model_dir)
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         try:
