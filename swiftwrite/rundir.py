@@ -26,20 +26,16 @@ give a different document.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import json
 import os
 import shutil
-import sys
-import time
-from array import array
-from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
 
+from .durable import alive, atomic_write, fsync_dir, json_bytes, lock, now, pack_ids, sha256, unpack_ids, why
 from .errors import UserError
 
 FORMAT = 2  # meta.json "format"; bump when the layout changes, keep reading older ones
@@ -94,10 +90,10 @@ class RunDir:
         cls.check_new(p)
         # Serialize first, so a bad config fails before anything touches the disk.
         files = {CONFIG: yaml.safe_dump(config, sort_keys=False).encode(), PROMPT: prompt_text.encode(),
-                 META: _json({"format": 2 if outline else 1, "fingerprint": fingerprint,
-                              "prompt_ids": list(prompt_ids), "created": _now()})}
+                 META: json_bytes({"format": 2 if outline else 1, "fingerprint": fingerprint,
+                              "prompt_ids": list(prompt_ids), "created": now()})}
         if outline:
-            files[OUTLINE], files[OUTLINE_MD] = _json(outline), outline_md.encode()
+            files[OUTLINE], files[OUTLINE_MD] = json_bytes(outline), outline_md.encode()
         final = p.resolve()
         stage = final.parent / f"{STAGING_PREFIX}{final.name}.{os.getpid()}"
         self = None
@@ -105,23 +101,23 @@ class RunDir:
             final.parent.mkdir(parents=True, exist_ok=True)
             _sweep_staging(final)
             stage.mkdir()
-            self = cls(stage, _lock(stage))
+            self = cls(stage, lock(stage, LOCK))
             self.config, self.prompt_text = config, prompt_text
             self.prompt_ids, self.fingerprint = list(prompt_ids), fingerprint
             self.outline = outline
             self.tokens, self.finished = [], False
             self._tok_hash, self._text_hash, self._text_bytes = hashlib.sha256(), hashlib.sha256(), 0
             self._state = self._new_state({}, None, False, count=0)
-            self._state_bytes = _json(self._state)
+            self._state_bytes = json_bytes(self._state)
             for name in (TOKENS, TEXT):
                 (stage / name).write_bytes(b"")
             for name in files:
-                _atomic_write(stage / name, files[name])
-            _atomic_write(stage / STATE, self._state_bytes)
+                atomic_write(stage / name, files[name])
+            atomic_write(stage / STATE, self._state_bytes)
             # rename(2) replaces an empty directory too, atomically; a non-empty one (someone wrote into it since
             # check_new) makes it fail, and nothing of theirs is touched. The flock moves with the inode.
             os.rename(stage, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
             self.path = p
             self._open_appenders()
         except BaseException as e:
@@ -129,7 +125,7 @@ class RunDir:
                 self.close()
             shutil.rmtree(stage, ignore_errors=True)
             if isinstance(e, OSError):
-                raise UserError(f"could not create the run directory {p} ({_why(e)}); "
+                raise UserError(f"could not create the run directory {p} ({why(e)}); "
                                 "check the path and free space, then start again.") from e
             raise
         return self
@@ -145,9 +141,9 @@ class RunDir:
             raise UserError(f"{p} is not a swiftwrite run directory (it has no {META}); "
                             "pass the directory a run was written to.")
         try:
-            self = cls(p, _lock(p))
+            self = cls(p, lock(p, LOCK))
         except OSError as e:
-            raise UserError(f"could not lock the run directory {p} ({_why(e)}); check its permissions.") from e
+            raise UserError(f"could not lock the run directory {p} ({why(e)}); check its permissions.") from e
         try:
             self._load()
         except BaseException:
@@ -190,10 +186,10 @@ class RunDir:
         try:
             data = (p / TOKENS).read_bytes()
         except OSError as e:
-            data, why = None, _why(e)
+            data, why = None, why(e)
         else:
             why = (f"{len(data) // 4} tokens on disk, {state['n_tokens']} recorded" if len(data) < n_bytes
-                   else None if _sha(data[:n_bytes]) == state["tokens_sha256"] else "checksum mismatch")
+                   else None if sha256(data[:n_bytes]) == state["tokens_sha256"] else "checksum mismatch")
         if why:
             raise UserError(f"{p / TOKENS} is damaged ({why}); the run cannot be resumed exactly, "
                             "start it again with the same prompt and settings.")
@@ -201,7 +197,7 @@ class RunDir:
         if cut:
             os.truncate(p / TOKENS, n_bytes)
         self._tok_hash = hashlib.sha256(data[:n_bytes])
-        self.tokens = _unpack(data[:n_bytes])
+        self.tokens = unpack_ids(data[:n_bytes])
 
         # Text: derived from the tokens, so damage here is repairable by the caller (replace_text).
         self._text_bytes = state["text_bytes"]
@@ -209,7 +205,7 @@ class RunDir:
             text = (p / TEXT).read_bytes()
         except OSError:
             text = b""
-        if len(text) < self._text_bytes or _sha(text[: self._text_bytes]) != state["text_sha256"]:
+        if len(text) < self._text_bytes or sha256(text[: self._text_bytes]) != state["text_sha256"]:
             self.text_damaged = True
             self.warnings.append(f"{TEXT} does not match the checkpoint; it must be rewritten from the tokens.")
         else:
@@ -231,7 +227,7 @@ class RunDir:
                     blob = (p / name).read_bytes()
                 except OSError:
                     continue
-                if _sha(blob) == want:
+                if sha256(blob) == want:
                     self._drafter = blob
                     if name == DRAFTER:  # the old layout: give it the name the sweeps below keep
                         try:
@@ -257,7 +253,7 @@ class RunDir:
     def append(self, new_ids: list[int], new_text: str) -> None:
         if self._text_fh is None:
             raise RuntimeError("output.txt is damaged: call replace_text() with the decoded tokens first")
-        raw, enc = _pack(new_ids), new_text.encode("utf-8")
+        raw, enc = pack_ids(new_ids), new_text.encode("utf-8")
         try:
             if self._failed:
                 raise self._failed
@@ -279,7 +275,7 @@ class RunDir:
         if self._text_fh:
             self._text_fh.close()
         try:
-            _atomic_write(self.path / TEXT, enc)
+            atomic_write(self.path / TEXT, enc)
         except OSError as e:
             raise self._write_error(e) from e
         self._text_hash, self._text_bytes, self.text_damaged = hashlib.sha256(enc), len(enc), False
@@ -288,9 +284,9 @@ class RunDir:
     def checkpoint(self, stats: dict, drafter_state: bytes | None = None, finished: bool = False) -> None:
         if self._text_fh is None:
             raise RuntimeError("output.txt is damaged: call replace_text() with the decoded tokens first")
-        dsha = _sha(drafter_state) if drafter_state is not None else None
+        dsha = sha256(drafter_state) if drafter_state is not None else None
         state = self._new_state(stats, dsha, finished, count=self._state["checkpoints"] + 1)
-        data = _json(state)  # before any write: stats that are not JSON fail here, with nothing touched
+        data = json_bytes(state)  # before any write: stats that are not JSON fail here, with nothing touched
         try:
             if self._failed:
                 raise self._failed
@@ -298,10 +294,10 @@ class RunDir:
                 fh.flush()
                 os.fsync(fh.fileno())
             if drafter_state is not None and not (self.path / drafter_file(dsha)).exists():
-                _atomic_write(self.path / drafter_file(dsha), bytes(drafter_state))
-            _atomic_write(self.path / PREV, self._state_bytes)
+                atomic_write(self.path / drafter_file(dsha), bytes(drafter_state))
+            atomic_write(self.path / PREV, self._state_bytes)
             pause = float(os.environ.get("SWIFTWRITE_SLOW_CHECKPOINT") or 0)  # tests: widen the kill window
-            _atomic_write(self.path / STATE, data, pause)
+            atomic_write(self.path / STATE, data, pause)
         except OSError as e:
             raise self._write_error(e) from e
         kept = self._state["drafter_sha256"]  # now state.prev.json's: its file stays for that fallback
@@ -331,10 +327,10 @@ class RunDir:
         return {"n_tokens": len(self.tokens), "tokens_sha256": self._tok_hash.copy().hexdigest(),
                 "text_bytes": self._text_bytes, "text_sha256": self._text_hash.copy().hexdigest(),
                 "drafter_sha256": drafter_sha, "stats": stats, "finished": finished,
-                "checkpoints": count, "time": _now()}
+                "checkpoints": count, "time": now()}
 
     def _write_error(self, e: OSError) -> UserError:
-        return UserError(f"could not write the checkpoint in {self.path} ({_why(e)}); free space and run "
+        return UserError(f"could not write the checkpoint in {self.path} ({why(e)}); free space and run "
                          f"`swiftwrite resume {self.path}`: the last checkpoint at "
                          f"{self._state['n_tokens']} tokens is intact.")
 
@@ -371,48 +367,6 @@ class RunDir:
 # helpers
 
 
-def _lock(p: Path) -> int:
-    """flock, not a pid file: the kernel drops it when the holder dies, so a stale lock is simply taken."""
-    fd = os.open(p / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise UserError(f"run directory {p} is in use by process {holder}; "
-                        "wait for it to finish or stop it first.") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def _atomic_write(path: Path, data: bytes, pause: float = 0.0) -> None:
-    """Readers see the old file or the new one, never a torn one, even after a power cut: the data is on disk
-    before the rename, and the rename is on disk before we return. Fixed temp name: the lock makes us the only
-    writer, and open() sweeps leftovers."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if pause:
-            time.sleep(pause)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(d: Path) -> None:
-    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
 def drafter_file(sha: str) -> str:
     return f"drafter-{sha[:16]}.bin"
 
@@ -431,7 +385,7 @@ def _sweep_staging(final: Path) -> None:
         except FileNotFoundError:
             fd = None  # killed before it took the lock, or still about to: only remove it if its pid is gone
             pid = d.name.rsplit(".", 1)[-1]
-            if pid.isdigit() and _alive(int(pid)):
+            if pid.isdigit() and alive(int(pid)):
                 continue
         except OSError:
             continue
@@ -443,16 +397,6 @@ def _sweep_staging(final: Path) -> None:
             finally:
                 os.close(fd)
         shutil.rmtree(d, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 def _read_state(path: Path) -> tuple[dict | None, bytes, str]:
@@ -470,37 +414,3 @@ def _read_state(path: Path) -> tuple[dict | None, bytes, str]:
         if not isinstance(state.get(key), kind) or (kind is int and state[key] < 0):
             return None, b"", f"bad or missing {key!r}"
     return state, raw, ""
-
-
-def _pack(ids: list[int]) -> bytes:
-    a = array("i", ids)  # OverflowError for ids outside int32, rather than a silently wrong file
-    if sys.byteorder == "big":
-        a.byteswap()
-    return a.tobytes()
-
-
-def _unpack(data: bytes) -> list[int]:
-    a = array("i")
-    a.frombytes(data)
-    if sys.byteorder == "big":
-        a.byteswap()
-    return a.tolist()
-
-
-def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _json(obj) -> bytes:
-    return json.dumps(obj, indent=1).encode() + b"\n"
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def _why(e: OSError) -> str:
-    return e.strerror or errno.errorcode.get(e.errno or 0, "") or str(e)
-
-
-assert array("i").itemsize == 4, "tokens.bin is int32; this platform's C int is not"

@@ -26,7 +26,8 @@ from swiftwrite.heads import (GAMMA, Heads, HeadsDrafter, HeadsError, TwoPassHea
                               save_heads)
 from swiftwrite.model import load_lean
 from swiftwrite.sampling import Sampler, SamplerSettings
-from swiftwrite.train_heads import BRIEFS, fit, train
+from swiftwrite.headdata import BRIEFS
+from swiftwrite.train_heads import fit, train
 from swiftwrite.tree import DraftTree
 from swiftwrite.window import Window
 from tiny import sharpened_tiny_model, tiny_hf_model

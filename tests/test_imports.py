@@ -27,9 +27,9 @@ LAYERS = [
     # the engine: token ids in, token ids and step statistics out
     ["engine"],
     # run I/O the loader and the writer share: prompts to ids, the run directory, the panel, statistics
-    ["prompt", "rundir", "ui", "metrics"],
+    ["durable", "prompt", "rundir", "ui", "metrics"],
     # loading: the model store, device and threads, ranks, model + engine assembled; training heads
-    ["store", "devices", "threads", "ranks", "backends", "peers", "loading", "train_heads"],
+    ["store", "devices", "threads", "ranks", "backends", "peers", "loading", "headdata", "train_heads"],
     # the writer (and the bench harness beside it): prompt in, document out, outlines
     ["outline", "writer", "bench"],
     # the command line

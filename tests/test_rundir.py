@@ -253,13 +253,13 @@ def test_a_staging_directory_left_by_a_killed_create_is_swept_and_the_path_stays
     child = spawn(f"""
         import os
         from swiftwrite import rundir
-        real = rundir._atomic_write
+        real = rundir.atomic_write
         def slow(path, data, pause=0.0):
             real(path, data)
             if path.name == "state.json":
                 print("ready", flush=True)
                 import time; time.sleep(60)
-        rundir._atomic_write = slow
+        rundir.atomic_write = slow
         rundir.RunDir.create({str(run)!r}, {{"a": 1}}, "p", [1], "fp")
     """)
     (stage,) = staging_dirs(run)
