@@ -97,7 +97,7 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def why(e: OSError) -> str:
+def os_reason(e: OSError) -> str:
     return e.strerror or errno.errorcode.get(e.errno or 0, "") or str(e)
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from .durable import alive, atomic_write, fsync_dir, json_bytes, lock, now, pack_ids, sha256, unpack_ids, why
+from .durable import alive, atomic_write, fsync_dir, json_bytes, lock, now, os_reason, pack_ids, sha256, unpack_ids
 from .errors import UserError
 
 FORMAT = 2  # meta.json "format"; bump when the layout changes, keep reading older ones
@@ -125,7 +125,7 @@ class RunDir:
                 self.close()
             shutil.rmtree(stage, ignore_errors=True)
             if isinstance(e, OSError):
-                raise UserError(f"could not create the run directory {p} ({why(e)}); "
+                raise UserError(f"could not create the run directory {p} ({os_reason(e)}); "
                                 "check the path and free space, then start again.") from e
             raise
         return self
@@ -143,7 +143,7 @@ class RunDir:
         try:
             self = cls(p, lock(p, LOCK))
         except OSError as e:
-            raise UserError(f"could not lock the run directory {p} ({why(e)}); check its permissions.") from e
+            raise UserError(f"could not lock the run directory {p} ({os_reason(e)}); check its permissions.") from e
         try:
             self._load()
         except BaseException:
@@ -186,7 +186,7 @@ class RunDir:
         try:
             data = (p / TOKENS).read_bytes()
         except OSError as e:
-            data, why = None, why(e)
+            data, why = None, os_reason(e)
         else:
             why = (f"{len(data) // 4} tokens on disk, {state['n_tokens']} recorded" if len(data) < n_bytes
                    else None if sha256(data[:n_bytes]) == state["tokens_sha256"] else "checksum mismatch")
@@ -330,7 +330,7 @@ class RunDir:
                 "checkpoints": count, "time": now()}
 
     def _write_error(self, e: OSError) -> UserError:
-        return UserError(f"could not write the checkpoint in {self.path} ({why(e)}); free space and run "
+        return UserError(f"could not write the checkpoint in {self.path} ({os_reason(e)}); free space and run "
                          f"`swiftwrite resume {self.path}`: the last checkpoint at "
                          f"{self._state['n_tokens']} tokens is intact.")
 
