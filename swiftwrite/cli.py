@@ -114,6 +114,7 @@ def resume(
     tp: Optional[str] = Opt(None, metavar="N", help="Tensor-parallel ranks (default: the run's own; another number needs --force)."),
     quiet: bool = Opt(False, "--quiet"), no_live: bool = Opt(False, "--no-live"),
     stats_json: Optional[Path] = Opt(None, metavar="FILE", help="Write the final statistics as JSON."),
+    edited: Optional[Path] = Opt(None, metavar="FILE", help="Continue from this edited document in a new round; --tokens N then adds N tokens, appended to FILE (or --out)."),
 ):
     """Continue an interrupted run exactly where its last checkpoint left it."""
     m = heavy()
@@ -137,7 +138,7 @@ def resume(
     if here is None and world > 1:
         m.ranks.check_world(world, device)
         raise typer.Exit(m.ranks.launch(world, sys.argv[1:]))
-    raise typer.Exit(m.writer.resume(run_dir, n, out, force, quiet, no_live, stats_json, world))
+    raise typer.Exit(m.writer.resume(run_dir, n, out, force, quiet, no_live, stats_json, world, edited))
 
 
 @app.command()

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import yaml
 
+from . import rounds
 from .durable import alive, atomic_write, fsync_dir, json_bytes, lock, now, os_reason, pack_ids, sha256, unpack_ids
 from .errors import UserError
 
@@ -105,7 +106,7 @@ class RunDir:
             self.config, self.prompt_text = config, prompt_text
             self.prompt_ids, self.fingerprint = list(prompt_ids), fingerprint
             self.outline = outline
-            self.tokens, self.finished = [], False
+            self.tokens, self.finished, self.round = [], False, 1
             self._tok_hash, self._text_hash, self._text_bytes = hashlib.sha256(), hashlib.sha256(), 0
             self._state = self._new_state({}, None, False, count=0)
             self._state_bytes = json_bytes(self._state)
@@ -155,6 +156,11 @@ class RunDir:
         p = self.path
         for f in p.glob("*.tmp"):  # temp files of a write that was killed before its rename
             f.unlink(missing_ok=True)
+        try:  # a new round (rounds.py) committed but not yet switched to: finish the switch
+            at = _read_state(p / STATE)[0] or _read_state(p / PREV)[0] or {}
+            rounds.roll_forward(p, at.get("round", 1), STATE, PREV, TOKENS, TEXT)
+        except OSError as e:
+            raise UserError(f"could not finish starting the new round in {p} ({os_reason(e)}); free space and resume again.") from e
         try:
             meta = json.loads((p / META).read_text())
             if meta.get("format", 1) > FORMAT:
@@ -180,6 +186,7 @@ class RunDir:
                                 "the run cannot be resumed, start a new one.")
             notes.append(f"{STATE} was unreadable ({why}), so the run continues from {PREV}")
         self._state, self._state_bytes, self.finished = state, raw, state["finished"]
+        self.round = state.get("round", 1) if isinstance(state.get("round"), int) else 1
 
         # Tokens: the document depends on every id, so anything but "longer than recorded" is fatal.
         n_bytes = state["n_tokens"] * 4
@@ -314,6 +321,24 @@ class RunDir:
                 except OSError:
                     pass  # a stale file costs disk space, never text
 
+    def begin_round(self, ids: list[int], edited: str, stats: dict, edit_at: int) -> None:
+        """Continue from `edited` (tokenized as `ids`): commit round n + 1 (rounds.py), then switch to it."""
+        n, enc = self.round + 1, edited.encode("utf-8")
+        state = {"n_tokens": len(ids), "tokens_sha256": sha256(pack_ids(ids)), "text_bytes": len(enc),
+                 "text_sha256": sha256(enc), "drafter_sha256": self._state["drafter_sha256"], "stats": stats,
+                 "finished": False, "checkpoints": self._state["checkpoints"] + 1, "time": now(), "round": n}
+        try:
+            for fh in (self._tokens_fh, self._text_fh):
+                fh.flush()
+            rounds.commit(self.path, n, before=self.tokens, before_text=(self.path / TEXT).read_bytes()[:self._text_bytes],
+                          edited=edited, ids=ids, state=state, edit_at=edit_at)
+        except OSError as e:
+            raise self._write_error(e) from e
+        for fh in (self._tokens_fh, self._text_fh):
+            fh.close()
+        self._tokens_fh = self._text_fh = None
+        self._load()  # rolls forward to round n
+
     def log_progress(self, record: dict) -> None:
         """One JSON line per checkpoint in progress.jsonl, for whoever watches a long run. Best effort: the
         checkpoint just written is what matters, and a torn last line (a kill) is skipped by readers."""
@@ -327,7 +352,7 @@ class RunDir:
         return {"n_tokens": len(self.tokens), "tokens_sha256": self._tok_hash.copy().hexdigest(),
                 "text_bytes": self._text_bytes, "text_sha256": self._text_hash.copy().hexdigest(),
                 "drafter_sha256": drafter_sha, "stats": stats, "finished": finished,
-                "checkpoints": count, "time": now()}
+                "checkpoints": count, "time": now(), **({"round": self.round} if self.round > 1 else {})}
 
     def _write_error(self, e: OSError) -> UserError:
         return UserError(f"could not write the checkpoint in {self.path} ({os_reason(e)}); free space and run "

@@ -146,11 +146,14 @@ class RunStats:
 
     @classmethod
     def of(cls, rd: RunDir, target: int, sources) -> RunStats:
-        prev = rd.stats or {}
+        return cls(target, len(rd.tokens), {s.name: 0 for s in sources}, cls.history_of(rd.stats or {}))
+
+    @staticmethod
+    def history_of(prev: dict) -> list:
+        """The earlier processes of a run, from its last checkpoint's stats: theirs, then the one that wrote it."""
         earlier = prev.get("earlier_processes")
-        history = [*(earlier if isinstance(earlier, list) else []),
-                   *([{k: prev.get(k) for k in ("tokens", "seconds", "forward_passes")}] if prev.get("tokens") else [])]
-        return cls(target, len(rd.tokens), {s.name: 0 for s in sources}, history)
+        return [*(earlier if isinstance(earlier, list) else []),
+                *([{k: prev.get(k) for k in ("tokens", "seconds", "forward_passes")}] if prev.get("tokens") else [])]
 
     def count(self, step: Step, sources) -> None:
         n = len(step.tokens)
@@ -212,7 +215,7 @@ class Session:
             st.measure_distinct(rd.tokens)
         return Progress(st.done, st.target, st.seconds(), st.made, st.forwards, st.per_source, self.budget(),
                         self.engine.cache.nbytes, _rss(), st.checkpoints, st.last_checkpoint, st.tail, st.distinct_4,
-                        st.repeat, distinct_1=st.distinct_1, section=self.section(st.done))
+                        st.repeat, distinct_1=st.distinct_1, section=self.section(st.done), round=rd.round)
 
     def stats(self, st: RunStats, rd: RunDir, pending: int, gov) -> dict:
         engine, lm, sched = self.engine, self.lm, self.sched
@@ -233,6 +236,8 @@ class Session:
             "longest_current_repeat": st.repeat, **({"stopped": st.stopped} if st.stopped else {}),
             "threads": torch.get_num_threads(), **({"thread_changes": gov.changes} if gov else {}),
             "tp": lm.tp,  # the ranks this text came from: resume keeps it (ranks.recorded)
+            # a run continued from an edited text (rounds.py): its round, and the token where the edit began
+            **({"round": rd.round, "edit_at": (rd.stats or {}).get("edit_at")} if rd.round > 1 else {}),
             # where each section's heading starts (output token index): resume checks its replay against it
             **({"sections": {"count": len(sched.plan.sections), "starts": list(sched.starts)},
                 "forced_tokens": st.forced} if sched else {}),

@@ -40,6 +40,7 @@ class Progress:
     repeat: int = 0  # the longest verbatim repeat the text is in now (repetition.LoopWatch), 0 = none
     distinct_1: float | None = None  # Distinct-1 of the last WORDS_WINDOW tokens; None until measured
     section: tuple | None = None  # outline runs: (k, N, title, tokens written in it, its budget)
+    round: int = 1  # rounds of writing: 2 and up after `resume --edited` (rounds.py)
 
 
 QUALITY_WINDOW = 2000  # tokens the live Distinct-4 looks back: recent enough to show a loop as it starts
@@ -145,7 +146,8 @@ class Display:
                 tpf = p.tokens_this_process / p.forwards if p.forwards else 0.0
                 print(f"[swiftwrite] {p.done}/{p.target} tokens  {avg:.1f} tok/s  {tpf:.2f} tok/forward  "
                       f"left {eta(p.target - p.done, recent)}  D-4 {_d4(p)}  D-1/{WORDS_WINDOW} {_d1(p)}  repeat {p.repeat}  "
-                      f"checkpoints {p.checkpoints}  rss {human_bytes(p.rss_bytes)}" + _section_line(p),
+                      f"checkpoints {p.checkpoints}  rss {human_bytes(p.rss_bytes)}" + _section_line(p)
+                      + (f"  round {p.round}" if p.round > 1 else ""),
                       file=sys.stderr, flush=True)
             return
         if self._live is not None and (force or now - self._last >= 0.25):
@@ -166,6 +168,8 @@ class Display:
         if p.per_source and p.forwards:
             t.add_row("per source", "  ".join(f"{k} {v / p.forwards:.2f}" for k, v in p.per_source.items()))
         t.add_row("elapsed", f"{p.seconds:.0f} s")
+        if p.round > 1:
+            t.add_row("round", f"{p.round} (continued from the edited text)")
         if p.section:
             k, n, title, written, budget = p.section
             t.add_row("section", f"{k} of {n}: {title[:60]}   {written:,}/{budget:,} tokens")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import outline as outlines
-from . import ranks
+from . import ranks, rounds
 from .config import Config
 from .config import resolve as resolve_cfg
 from .devices import pick_device
@@ -32,7 +32,7 @@ from .loading import Loaded, dry_settings, load_weights, make_window, open_model
 from .prompt import apply_template, prompt_ids, read_prompt, read_source
 from .rundir import RunDir
 from .sampling import Sampler, SamplerSettings
-from .session import open_session, plain_int, unpack_state
+from .session import RunStats, open_session, plain_int, unpack_state
 from .store import resolve
 from .ui import Display, dtype_name
 from .window import MIN_FREE, Window
@@ -166,15 +166,23 @@ def _resume_config(rd: RunDir, tokens: int | None) -> Config:
 
 
 def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool, quiet: bool, no_live: bool,
-           stats_json: Path | None, tp: int = 1) -> int:
-    """`tp`: the tensor-parallel ranks it runs on (cli.resume checked it against the run's, or was --force)."""
+           stats_json: Path | None, tp: int = 1, edited: Path | None = None) -> int:
+    """`tp`: the tensor-parallel ranks it runs on (cli.resume checked it against the run's, or was --force).
+    `edited`: continue from this file's text in a new round (rounds.py); --tokens then counts the tokens added."""
     display = Display(Display.choose(quiet, no_live))
     check_writable(out_path, "--out")
     check_writable(stats_json, "--stats-json")
+    new_text = read_edited(edited) if edited is not None else None
+    if edited is not None:
+        check_writable(edited, "--edited")
     rd = RunDir.open(run_dir)
     try:
         ranks.report_run_dir(rd.path)
-        cfg = _resume_config(rd, tokens)
+        if new_text is not None:
+            check_continues(rd, edited, new_text)
+        elif out_path is not None:
+            check_not_edited(rd, out_path)
+        cfg = _resume_config(rd, tokens if new_text is None else None)
         written_by = ranks.recorded(rd.path)[0]
         if tp != written_by:
             display.info(f"resuming on {tp} tensor-parallel rank{'s' if tp > 1 else ''}, not the run's {written_by} "
@@ -184,6 +192,8 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
             display.info(rd.recovered)
         for w in rd.warnings:
             display.info(w)
+        if new_text is not None:
+            return _continue_edited(cfg, rd, edited, new_text, tokens, out_path, force, display, stats_json)
         if tokens is not None and tokens < len(rd.tokens):
             raise UsageError(f"--tokens {tokens} is less than the {len(rd.tokens)} tokens already written; give a larger target.")
         complete = len(rd.tokens) >= cfg.tokens
@@ -238,6 +248,96 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
                 out.close()
     finally:
         rd.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A new round from an edited document (rounds.py keeps the rounds in the run directory)
+
+
+def read_edited(path: Path) -> str:
+    """The edited document's text, or one sentence: missing, not text, empty. Reads nothing else."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"--edited {path} does not exist; give the document file you edited.") from None
+    except IsADirectoryError:
+        raise UserError(f"--edited {path} is a directory; give the document file you edited.") from None
+    except OSError as e:
+        raise UserError(f"--edited {path} cannot be read ({e.strerror}); check its permissions.") from None
+    if b"\0" in data:
+        raise UserError(f"--edited {path} is not text (it contains NUL bytes); give the edited document as UTF-8 text.")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"--edited {path} is not UTF-8 text (byte {e.start}); save it as UTF-8 and try again.") from None
+    if not text.strip():
+        raise UserError(f"--edited {path} is empty; to start over, start a new run instead.")
+    return text
+
+
+def check_continues(rd: RunDir, path: Path, text: str) -> None:
+    """An edited document continues the run only if it still begins as the run's text did: one that shares not
+    even its first character is another document, better given to a new run as its prompt."""
+    if rd.outline is not None:
+        raise UsageError(f"--edited does not yet continue runs with an outline ({rd.path} has one); "
+                         "start a new run with the edited text in the prompt.")
+    old = (rd.path / "output.txt").read_text(encoding="utf-8", errors="replace")
+    if old and text[:1] != old[:1]:
+        raise UserError(f"--edited {path} no longer shares the beginning of the text in {rd.path}, so it does not "
+                        "continue this run; start a new run with it as the prompt.")
+
+
+def check_not_edited(rd: RunDir, out_path: Path) -> None:
+    """resume --out FILE rewrites FILE with the run's text: refuse when the writer has edited FILE since."""
+    try:
+        mine = out_path.read_text(encoding="utf-8") if out_path.is_file() else None
+    except (OSError, UnicodeDecodeError):
+        mine = None  # unreadable as text: not an edit of ours to protect; check_writable has judged the path
+    run = (rd.path / "output.txt").read_text(encoding="utf-8", errors="replace")
+    if mine is not None and mine and not (run.startswith(mine) or mine.startswith(run)):
+        raise UserError(f"--out {out_path} was edited since the run wrote it, and resuming would overwrite it; "
+                        f"`swiftwrite resume {rd.path} --edited {out_path} --tokens N` continues from your text.")
+
+
+def _continue_edited(cfg: Config, rd: RunDir, edited: Path, text: str, more: int | None, out_path: Path | None,
+                     force: bool, display: Display, stats_json: Path | None) -> int:
+    left = cfg.tokens - len(rd.tokens)
+    if more is None and left <= 0:
+        raise UsageError(f"{rd.path} is complete; pass --tokens N to say how many tokens to add after {edited}.")
+    pick_device(cfg)
+    ref = resolve(cfg.model, log=display.info)
+    if ref.fingerprint != rd.fingerprint and not force:
+        raise UserError(f"{rd.path} was written with another model (fingerprint {rd.fingerprint}, now "
+                        f"{ref.fingerprint}); use --force to continue from the edited text with this one.")
+    lm = open_model(cfg, display, ref)
+    if rd.text_damaged:
+        rd.replace_text(lm.tok.decode(rd.tokens, skip_special_tokens=False))
+    ids = [int(i) for i in lm.tok(text, add_special_tokens=False)["input_ids"]]
+    if ids and max(ids) >= lm.mcfg.vocab_size:
+        raise UserError(f"the tokenizer in {lm.ref.path} produced token id {max(ids)}, but the model has only "
+                        f"{lm.mcfg.vocab_size} embeddings; re-download or re-convert the model.")
+    cfg.tokens = len(ids) + (more if more is not None else left)
+    session = open_session(cfg, lm, len(rd.prompt_ids), None, display)
+    for w in session.engine.load_drafter_state(unpack_state(rd.drafter_state())):
+        display.info(w)
+    edit_at = rounds.edit_start(rd.tokens, ids)
+    rd.begin_round(ids, text, {"target": cfg.tokens, "text_pending_tokens": 0, "edit_at": edit_at,
+                               "earlier_processes": RunStats.history_of(rd.stats)}, edit_at)
+    display.info(f"round {rd.round} of {rd.path}: continuing from {edited} ({len(ids)} tokens, edited from token "
+                 f"{edit_at}) to {cfg.tokens} tokens")
+    session.start(rd, rd.prompt_ids + rd.tokens)
+    out = _open_out(out_path, text) if out_path is not None else _append_to(edited)
+    try:
+        return session.write(rd, out, stats_json)
+    finally:
+        out.close()
+
+
+def _append_to(path: Path):
+    try:
+        return open(path, "a", encoding="utf-8")
+    except OSError as e:
+        raise UserError(f"--edited {path} cannot be appended to ({e.strerror}); give --out FILE instead.") from None
 
 
 # ---------------------------------------------------------------------------------------------------------

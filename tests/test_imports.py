@@ -27,7 +27,7 @@ LAYERS = [
     # the engine: token ids in, token ids and step statistics out
     ["engine"],
     # run I/O the loader and the writer share: prompts to ids, the run directory, the panel, statistics
-    ["durable", "prompt", "rundir", "ui", "metrics"],
+    ["durable", "rounds", "prompt", "rundir", "ui", "metrics"],
     # loading: the model store, device and threads, ranks, model + engine assembled; training heads
     ["store", "devices", "threads", "ranks", "backends", "peers", "loading", "headdata", "train_heads"],
     # the writer (and the bench harness beside it): outlines, a session of the run loop, prompt in, document out
