@@ -69,6 +69,12 @@ def info(path: Path, n: int) -> dict:
     return json.loads((Path(path) / ROUNDS / str(n) / "round.json").read_text())
 
 
+def edited(path: Path, n: int) -> tuple[str, int]:
+    """Round n's edited text and how many of the round's tokens it is."""
+    r = Path(path) / ROUNDS / str(n)
+    return (r / "edited.txt").read_text(encoding="utf-8"), info(path, n)["tokens_edited"]
+
+
 def edit_start(old: list[int], new: list[int]) -> int:
     """The first token where the edited ids differ from the round's own."""
     i = 0

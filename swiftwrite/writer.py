@@ -29,7 +29,7 @@ from .devices import pick_device
 from .engine import Engine
 from .errors import UsageError, UserError
 from .loading import Loaded, dry_settings, load_weights, make_window, open_model, suppressed_ids
-from .prompt import apply_template, prompt_ids, read_prompt, read_source
+from .prompt import TextStream, apply_template, prompt_ids, read_prompt, read_source
 from .rundir import RunDir
 from .sampling import Sampler, SamplerSettings
 from .session import RunStats, open_session, plain_int, unpack_state
@@ -208,7 +208,7 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
                 display.info("resuming with a different model (--force): the continuation will differ from the original run.")
             lm = open_model(cfg, display, ref)
             if rd.text_damaged:
-                rd.replace_text(lm.tok.decode(rd.tokens, skip_special_tokens=False))
+                rd.replace_text(rebuilt_text(rd, lm.tok))
                 if complete:
                     rd.checkpoint(rd.stats, rd.drafter_state(), finished=rd.finished)
                 display.info("output.txt was damaged and has been rebuilt from the token ids.")
@@ -311,7 +311,7 @@ def _continue_edited(cfg: Config, rd: RunDir, edited: Path, text: str, more: int
                         f"{ref.fingerprint}); use --force to continue from the edited text with this one.")
     lm = open_model(cfg, display, ref)
     if rd.text_damaged:
-        rd.replace_text(lm.tok.decode(rd.tokens, skip_special_tokens=False))
+        rd.replace_text(rebuilt_text(rd, lm.tok))
     ids = [int(i) for i in lm.tok(text, add_special_tokens=False)["input_ids"]]
     if ids and max(ids) >= lm.mcfg.vocab_size:
         raise UserError(f"the tokenizer in {lm.ref.path} produced token id {max(ids)}, but the model has only "
@@ -331,6 +331,15 @@ def _continue_edited(cfg: Config, rd: RunDir, edited: Path, text: str, more: int
         return session.write(rd, out, stats_json)
     finally:
         out.close()
+
+
+def rebuilt_text(rd: RunDir, tok) -> str:
+    """output.txt from the token ids; from round 2 on, the edited text as the writer left it, then the rest."""
+    if rd.round == 1:
+        return tok.decode(rd.tokens, skip_special_tokens=False)
+    edited, k = rounds.edited(rd.path, rd.round)
+    stream = TextStream(tok, rd.prompt_ids + rd.tokens[:k])
+    return edited + stream.push(rd.tokens[k:]) + stream.flush()
 
 
 def _append_to(path: Path):

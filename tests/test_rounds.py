@@ -21,7 +21,7 @@ from swiftwrite.model import load_lean
 from swiftwrite.rundir import RunDir
 from swiftwrite.sampling import Sampler
 from swiftwrite.window import Window
-from swiftwrite.writer import check_not_edited, resume
+from swiftwrite.writer import check_not_edited, rebuilt_text, resume
 from tiny_lossless import CONTEXT, DRAFTS, SETTINGS, VOCAB, prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -143,3 +143,21 @@ def test_resume_out_refuses_to_overwrite_an_edited_file_and_names_the_edited_com
         out.write_text("Twice upon a time")
         with pytest.raises(UserError, match="--edited"):
             check_not_edited(rd, out)
+
+
+class Bytes:
+    """A byte tokenizer: id = byte + 3, enough for TextStream."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
+
+
+def test_a_damaged_output_of_a_later_round_is_rebuilt_from_the_edited_text_then_the_tokens(tmp_path):
+    run = tmp_path / "run"
+    make_run(run, [100, 101], "ab")
+    edited = "A  b"  # as the writer typed it: not what its ids decode to
+    with RunDir.open(run) as rd:
+        rd.begin_round([3 + ord("A"), 3 + ord("b")], edited, {"target": 9}, edit_at=0)
+        rd.append([3 + ord("c")], "c")
+        rd.checkpoint({"target": 9})
+        assert rebuilt_text(rd, Bytes()) == "A  bc" == (run / "output.txt").read_text()
