@@ -157,15 +157,29 @@ class Engine:
         return torch.cat([self.S[: self.prompt_len], pin, self.S[s : self.n]])
 
     def _rebuild(self, seed_sources: bool = False) -> None:
-        """Prefill the cache with the current context, all but its last token (the next root)."""
+        """Prefill the cache with the current context, all but its last token (the next root).
+
+        Where the model's single steps compute other bits than its batches (`steps_apart`: llama.cpp with several
+        threads, ggmlmodel), the tokens a running engine wrote a step at a time since this span's rebuild are
+        written a step at a time here too, so a resume (or a restart anywhere in the span) holds the bits the
+        running engine held. The span's rebuild fell at n0 (the run's start in the first span), and drafting is off
+        there, so one step commits one token: the last n - n0 tokens of the body were single steps."""
         ctx = self._context_ids()
         self.span = self.window.span(self.n)
         self.cache.length = 0
         body = ctx[:-1]
         seed = seed_sources and any(isinstance(s, RecyclingDrafter) for s in self.sources)
-        for a in range(0, body.shape[0], PREFILL_CHUNK):
-            chunk = body[a : a + PREFILL_CHUNK].to(self.model.device)
-            pos = torch.arange(a, a + chunk.shape[0], device=self.model.device)
+        singles = 0
+        if getattr(self.model, "steps_apart", False):
+            s, _ = self.span
+            n0 = self.prompt_len if s == self.window.prompt else s + self.window.recent
+            singles = max(0, min(self.n - n0, body.shape[0]))
+        batched = body.shape[0] - singles
+        bounds = [(a, min(a + PREFILL_CHUNK, batched)) for a in range(0, batched, PREFILL_CHUNK)]
+        bounds += [(a, a + 1) for a in range(batched, body.shape[0])]
+        for a, z in bounds:
+            chunk = body[a:z].to(self.model.device)
+            pos = torch.arange(a, z, device=self.model.device)
             logits, _ = self.model.forward(chunk, pos, self.cache, logits_for=None if seed else slice(-1, None))
             self.cache.length += chunk.shape[0]
             if seed:
@@ -291,8 +305,9 @@ class Engine:
         self.n += len(ids)
         if self.n < self.span[1]:
             body = self.S[old - 1 : self.n - 1]
-            for a in range(0, body.shape[0], PREFILL_CHUNK):
-                chunk = body[a : a + PREFILL_CHUNK].to(self.model.device)
+            size = 1 if getattr(self.model, "steps_apart", False) else PREFILL_CHUNK  # as _rebuild will redo them
+            for a in range(0, body.shape[0], size):
+                chunk = body[a : a + size].to(self.model.device)
                 pos = torch.arange(self.cache.length, self.cache.length + chunk.shape[0], device=self.model.device)
                 self.model.forward(chunk, pos, self.cache, logits_for=slice(-1, None))
                 self.cache.length += chunk.shape[0]

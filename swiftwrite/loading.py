@@ -332,8 +332,9 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
     if lm.weights_note:
         display.info(lm.weights_note)
         lm.weights_note = None  # once per run, not once per engine (bench builds one per method)
-    display.info(f"KV cache: {human_bytes(engine.cache.nbytes)} for a {window.context}-token context on "
-                 f"{lm.device}/{dtype_name(lm.dtype)}" + (f", {lm.weights} weights" if lm.weights != "float" else ""))
+    where = ("llama.cpp, float16" if lm.backend == "ggml"
+             else f"{lm.device}/{dtype_name(lm.dtype)}" + (f", {lm.weights} weights" if lm.weights != "float" else ""))
+    display.info(f"KV cache: {human_bytes(engine.cache.nbytes)} for a {window.context}-token context in {where}")
     return engine
 
 
