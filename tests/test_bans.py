@@ -4,15 +4,18 @@ and sampled, across context rebuilds and from any point a run can be resumed at.
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
+import yaml
 
 from swiftwrite.bans import MAX_RETRIES, Bans, PhraseError, check_phrases, read_ban_file, variants
+from swiftwrite.config import Config
 from swiftwrite.engine import Engine, make_sources
-import numpy as np
-
+from swiftwrite.errors import UsageError
 from swiftwrite.heads import HeadsDrafter
 from swiftwrite.model import load_lean
 from swiftwrite.sampling import Sampler
@@ -208,3 +211,61 @@ def test_a_run_resumed_where_a_checkpoint_can_fall_writes_the_same_text(model, b
     for k in sorted({ends[len(ends) // 4], ends[len(ends) // 2], ends[-3]}):
         got, _ = run(model, SETTINGS[sid], phrases, ["recycling", "ngram"], history=p + ref[:k], n=N - k)
         assert got == ref[k:], k
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The writer: bad input, the run directory, resume, the statistics
+
+
+def test_a_ban_file_that_is_missing_or_binary_stops_the_run_before_its_directory_exists(tmp_path):
+    from swiftwrite import writer  # the writer's layer: imported by the tests that drive it
+
+    brief = tmp_path / "brief.txt"
+    brief.write_text("A lighthouse keeper finds a bottle.")
+    (tmp_path / "bin").write_bytes(b"\x00\xff\x00")
+    for name in ("missing.txt", "bin"):
+        cfg = Config(tokens=20, ban_file=str(tmp_path / name)).validate()
+        with pytest.raises(PhraseError):
+            writer.generate(cfg, str(brief), tmp_path / "run", None, True, True, None)
+        assert not (tmp_path / "run").exists()
+
+
+def test_an_empty_phrase_or_an_outline_with_bans_is_refused_by_the_configuration():
+    with pytest.raises(UsageError, match="empty phrase"):
+        Config(ban=("ok", " ")).validate()
+    with pytest.raises(UsageError, match="outline"):
+        Config(ban=("ok",), plan=True).validate()
+
+
+def test_the_default_model_never_writes_a_banned_phrase_drafting_equals_plain_and_resume_keeps_the_ban(
+        default_model_dir, tmp_path):
+    """The default model, greedy, 300 tokens: ban a phrase its unbanned text holds; the banned runs with --draft none
+    and --draft all write the same tokens, none holds the phrase, the run directory keeps it, a resume of the run
+    cut back to a checkpoint writes the same tokens, and the statistics count the backtracks."""
+    from swiftwrite import writer
+
+    brief = tmp_path / "brief.txt"
+    brief.write_text("Write a short story about a lighthouse keeper who finds a message in a bottle.")
+
+    def gen(name, **kw):
+        cfg = Config(tokens=300, temperature=0.0, context=512, chunk=64, **kw).validate()
+        assert writer.generate(cfg, str(brief), tmp_path / name, tmp_path / f"{name}.md", True, True,
+                               tmp_path / f"{name}.json") == 0
+        return (tmp_path / f"{name}.md").read_text(), json.loads((tmp_path / f"{name}.json").read_text())
+
+    free, _ = gen("free", draft="none")
+    words = free.split()
+    phrase = " ".join(words[len(words) // 3 : len(words) // 3 + 2])
+    (tmp_path / "bans.txt").write_text(phrase.upper() + "\n")
+    plain, stats = gen("plain", draft="none", ban_file=str(tmp_path / "bans.txt"))
+    drafted, _ = gen("drafted", draft="all", ban_file=str(tmp_path / "bans.txt"))
+    assert phrase.lower() in free.lower() and phrase.lower() not in plain.lower()
+    assert drafted == plain
+    assert stats["banned_phrases"]["backtracks"] >= 1
+    assert yaml.safe_load((tmp_path / "plain" / "config.yaml").read_text())["ban"] == [phrase.upper()]
+    # `resume --tokens` keeps enforcing it (from the run directory's settings), with drafts as without
+    for name in ("plain", "drafted"):
+        assert writer.resume(tmp_path / name, 450, tmp_path / f"{name}2.md", False, True, True, None) == 0
+    longer = (tmp_path / "plain2.md").read_text()
+    assert longer.startswith(plain) and phrase.lower() not in longer.lower()
+    assert (tmp_path / "drafted2.md").read_text() == longer
