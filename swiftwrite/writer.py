@@ -31,6 +31,7 @@ import torch
 from . import outline as outlines
 from . import ranks, threads
 from .backends import cpu_extensions
+from .bans import MAX_RETRIES, read_ban_file
 from .config import Config
 from .config import resolve as resolve_cfg
 from .devices import pick_device
@@ -165,6 +166,7 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
     drafted = 0  # draft nodes verified
     made = 0
     forced = 0  # outline headings among `made`: committed without a forward, so not in tokens per forward
+    backtracks = _int((prev.get("banned_phrases") or {}).get("backtracks"), 1 << 62)  # all processes of the run
     since = 0
     tail = ""
     checkpoints = 0
@@ -202,7 +204,7 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
         return Progress(done, target, time.perf_counter() - t0, made, forwards, per_source,
                         str(engine.budget) if engine.budget is not None else ("auto" if engine.sources else ""),
                         engine.cache.nbytes, _rss(), checkpoints, last_cp, tail, d4, repeat, distinct_1=d1,
-                        section=section())
+                        section=section(), backtracks=backtracks if engine.bans is not None else None)
 
     def stats() -> dict:
         secs = time.perf_counter() - t0
@@ -219,6 +221,7 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
             "kv_cache_bytes": engine.cache.nbytes, "peak_rss_bytes": _rss(), "model_fingerprint": rd.fingerprint,
             "weights": lm.weights, "backend": lm.backend, "cpu": cpu_extensions(), "text_pending_tokens": len(stream.pending), "earlier_processes": history,
             "longest_current_repeat": repeat, **({"stopped": stopped} if stopped else {}),
+            **({"banned_phrases": {"phrases": len(engine.bans.phrases), "backtracks": backtracks}} if engine.bans else {}),
             "threads": torch.get_num_threads(), **({"thread_changes": gov.changes} if gov else {}),
             "tp": lm.tp,  # the ranks this text came from: resume keeps it (ranks.recorded)
             # where each section's heading starts (output token index): resume checks its replay against it
@@ -258,6 +261,10 @@ def run_loop(cfg: Config, lm: Loaded, rd: RunDir, engine: "Engine", out, display
             for step in _until_a_rank_is_lost(steps, rank_lost := []):
                 forwards += 0 if step.forced else 1
                 forced += len(step.tokens) if step.forced else 0
+                backtracks += step.backtracks
+                if step.let_through:
+                    display.alert(f"swiftwrite: a banned phrase was chosen again after {MAX_RETRIES} other first tokens "
+                                  f"were tried at the same place (near token {done}); it stays in the text.")
                 drafted += step.drafted
                 made += len(step.tokens)
                 done += len(step.tokens)
@@ -389,6 +396,8 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
     # Cheapest first: what the user typed, then the model's files, then its weights.
     brief = read_prompt(prompt_source)
     source = read_source(cfg.source) if cfg.source else None
+    if cfg.ban_file:  # read once: the run's settings keep its phrases, so `resume` never reads it again
+        cfg.ban = (*cfg.ban, *(p for p in read_ban_file(cfg.ban_file) if p.strip() not in cfg.ban))
     sections = budgets = None
     planning = cfg.plan or cfg.plan_only
     if cfg.outline:
