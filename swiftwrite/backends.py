@@ -28,6 +28,7 @@ from .paths import GGUF_FILE, fingerprint, home
 
 BACKENDS = ("auto", "torch", "ggml")
 TIMED_STEPS = 24  # plain steps timed per candidate (after 8 of warm-up), once per model and machine
+ROWS = "/rows-v3"  # the key of check_rows' result (v3: prefill batches and steps_apart kept apart)
 FLASH_ATTN = 1  # llama.cpp's flash attention: the attention whose batches keep a single step's bits (check_rows)
 
 
@@ -96,36 +97,43 @@ def choose(cfg, model_dir: Path, device: str, say=lambda msg: None) -> str:
 def load_ggml(model_dir: Path, mcfg, threads: int) -> "ggmlmodel.GgmlModel":
     """The GGUF in llama.cpp, with the rows a decode may carry exactly (check_rows) measured once per machine."""
     model = ggmlmodel.GgmlModel(gguf_path(model_dir), mcfg, threads=threads, flash_attn=FLASH_ATTN)
-    key = _key(model_dir, threads) + "/rows-v2"  # v2: the probe includes a long context
+    key = _key(model_dir, threads) + ROWS
     store = _read()
-    if isinstance(store.get(key), dict) and "max_rows" in store[key]:
-        model.max_rows, model.rows_note = int(store[key]["max_rows"]), store[key].get("note")
+    kept = store.get(key)
+    if isinstance(kept, dict) and {"max_rows", "batch_rows", "steps_apart"} <= set(kept):
+        model.max_rows, model.batch_rows, model.rows_note = int(kept["max_rows"]), int(kept["batch_rows"]), kept.get("note")
+        if kept["steps_apart"]:
+            model.part_steps()
     else:
         model.rows_note = model.check_rows()
-        store[key] = {"max_rows": model.max_rows, "note": model.rows_note}
+        store[key] = {"max_rows": model.max_rows, "batch_rows": model.batch_rows, "steps_apart": model.steps_apart,
+                      "note": model.rows_note}
         _write(store)
     return model
 
 
 def measured(model_dir: Path, threads: int, load_torch, load_ggml_model, say=lambda msg: None) -> tuple[str, object]:
     """`auto`: the faster of the two on this machine, timed at the first run and kept. Returns the name and the
-    loaded model (at the first run both are loaded and timed; the slower one is dropped)."""
+    loaded model (at the first run both are loaded and timed; the slower one is dropped).
+
+    A llama.cpp whose probe found single steps apart from batches at long contexts stays a candidate: it runs
+    without drafts, exactly (Engine._rebuild). One whose batches never keep a single step's bits does not: its
+    prefill and resume would run a token at a time."""
     key = _key(model_dir, threads)
     store = _read()
     times = store.get(key)
-    rows = store.get(key + "/rows-v2")
-    if isinstance(rows, dict) and rows.get("note"):  # llama.cpp's batches are not exact here (load_ggml's probe)
-        say(f"backend: torch: llama.cpp {rows['note']}, so its prefill and resume could not be exact at speed "
-            "(--backend ggml runs it anyway, a token at a time after the prompt, without drafts)")
-        return "torch", load_torch()
+    rows = store.get(key + ROWS)
+    if isinstance(rows, dict) and rows.get("batch_rows") == 1:
+        return _no_batches(rows.get("note"), load_torch, say)
     if isinstance(times, dict) and {"torch", "ggml"} <= set(times):
         name = "ggml" if times["ggml"] <= times["torch"] else "torch"
         model = load_ggml_model() if name == "ggml" else load_torch()
     else:
         ggml = load_ggml_model()
-        if getattr(ggml, "rows_note", None):
+        if getattr(ggml, "rows_note", None) and ggml.batch_rows == 1:
+            note = ggml.rows_note
             del ggml
-            return measured(model_dir, threads, load_torch, load_ggml_model, say)  # said and chosen just above
+            return _no_batches(note, load_torch, say)
         torch_model = load_torch()
         times = {"ggml": step_ms(ggml), "torch": step_ms(torch_model)}
         store[key] = times
@@ -137,6 +145,12 @@ def measured(model_dir: Path, threads: int, load_torch, load_ggml_model, say=lam
         f"{times[other]:.1f} ms on {other} on this machine ({'/'.join(cpu_extensions())}, {threads} threads; measured "
         f"once, kept in {_path()}; --backend {other} to insist)")
     return name, model
+
+
+def _no_batches(note: str, load_torch, say) -> tuple[str, object]:
+    say(f"backend: torch: llama.cpp {note}, so its prefill and resume would run a token at a time "
+        "(--backend ggml runs it anyway)")
+    return "torch", load_torch()
 
 
 def step_ms(model) -> float:

@@ -43,7 +43,7 @@ def heavy() -> SimpleNamespace:
 def with_options(after: dict[str, tuple[str, ...]]):
     """Give a command the table's options (options.OPTIONS) besides its own parameters. Typer reads parameters from
     a signature: the decorated function takes the table's as keyword arguments (**flags, None where not given) and
-    this builds the signature Typer sees. A bool row is a flag (--raw); any other is taken as a string, typed later
+    this builds the signature Typer sees. A bool row is a flag (--raw), a tuple row repeatable; any other is taken as a string, typed later
     by config.resolve, so a bad value gets the same sentence as from YAML or the environment. In --help the table's
     options follow the function's first parameter, each of its own named in `after` follows that row, and the rest
     of its own come last."""
@@ -51,6 +51,8 @@ def with_options(after: dict[str, tuple[str, ...]]):
     def row(o) -> inspect.Parameter:
         if o.type is bool:
             info, kind = Opt(None, config_mod.flag(o.name), help=o.help), Optional[bool]
+        elif o.type is tuple:  # repeatable: --ban A --ban B
+            info, kind = Opt(None, metavar=o.metavar, help=o.help), Optional[list[str]]
         else:
             info, kind = Opt(None, metavar=o.metavar, help=o.help), Optional[str]
         return inspect.Parameter(o.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=info, annotation=kind)

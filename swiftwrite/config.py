@@ -110,10 +110,16 @@ class Config:
         need(0 <= self.sections <= MAX_SECTIONS, "sections", f"must be 0 (chosen from --tokens) or 1 to {MAX_SECTIONS}")
         need(self.sections == 0 or self.plan or self.plan_only, "sections",
              "only applies with --plan (an outline file says its own sections); add --plan or drop --sections")
+        need(all(isinstance(p, str) and p.strip() for p in self.ban), "ban",
+             "has an empty phrase; every banned phrase needs a visible character")
+        need(not ((self.ban or self.ban_file) and (self.outline or self.plan or self.plan_only)), "ban",
+             "cannot be combined with an outline yet (--outline, --plan); drop one of the two")
+        need(not ((self.ban or self.ban_file) and self.tp > 1), "ban",
+             "is not built for tensor parallelism yet; drop --tp or the banned phrases")
         return self
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}  # YAML-safe
 
 
 FIELDS = {f.name: f for f in fields(Config)}
@@ -147,7 +153,8 @@ def breaker_strings(spec: str) -> list[str]:
     return out
 
 
-KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a word"}
+KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a word",
+         tuple: "a list of phrases (one per line in the environment)"}
 
 
 def coerce(name: str, value, source: str):
@@ -178,6 +185,11 @@ def coerce(name: str, value, source: str):
     elif kind is str:
         if isinstance(value, (str, int)) and not isinstance(value, bool):
             return str(value).strip()
+    elif kind is tuple:  # a repeated flag, a YAML list, or one phrase per line (YAML string, environment)
+        if isinstance(value, str):
+            return tuple(line for line in value.splitlines() if line.strip())
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
     raise UsageError(f"{source} must be {KINDS[kind]}, got {value!r}.")
 
 

@@ -85,6 +85,10 @@ class DraftSource:
     def after_commit(self, history: np.ndarray, n_new: int) -> None:
         """Called after `n_new` tokens were appended to `history` (prompt + output so far)."""
 
+    def rewind(self, n: int) -> None:
+        """Called when the engine took back every token from position n on (a banned phrase, bans.py). A source's
+        state only shapes its guesses, so one that ignores this stays correct; it may guess worse for a while."""
+
     def seed(self, tokens: np.ndarray, topk: np.ndarray) -> None:
         """Called with the prompt's prefill: tokens [m] and each one's top-k next tokens [m, k]."""
 

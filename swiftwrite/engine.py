@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .bans import Bans
 from .budget import MAX_BUDGET, CostCurve, best_budget
 from .drafting import MAX_DEPTH, AcceptanceStats, DraftSource
 from .forward import Forward
@@ -48,6 +49,8 @@ class Step:
     accepted_sources: list[int] = field(default_factory=list)  # source bitmask per accepted draft token
     rebuilt: bool = False  # the context window was rebuilt before this step
     forced: bool = False  # committed without sampling (an outline's heading, Engine.force): no forward counted
+    backtracks: int = 0  # banned phrases: times this step went back to where one began (bans.py)
+    let_through: int = 0  # banned phrases kept after bans.MAX_RETRIES exclusions at their start
 
 
 def make_sources(names: list[str], vocab: int, static_tree: bool = False, heads=None) -> tuple[list[DraftSource], AcceptanceStats]:
@@ -81,6 +84,7 @@ class Engine:
         capacity: int = 0,  # tokens S will hold (prompt + target); the buffer is sized once
         stop_ids: tuple[int, ...] = (),  # end the run when one of these is committed (--stop-at-eos)
         cost_at=None,  # callable(cache) -> CostCurve for the cache's context; refreshed as the context grows
+        bans: Bans | None = None,  # banned phrases (bans.py); None = none, and no work per step
     ):
         self.model = model
         self.sampler = sampler
@@ -92,6 +96,8 @@ class Engine:
         self.cost_at = cost_at
         self._cost_bucket = -1
         self.stop_ids = set(stop_ids)
+        self.bans = bans
+        self.final = 0  # with bans: tokens before it are final; the ones after may still be taken back
         most = min(MAX_BUDGET, getattr(model, "max_rows", MAX_BUDGET + 1) - 1)  # a forward's exact rows (ggmlmodel)
         max_nodes = 1 + (min(budget, most) if budget is not None else most) if self.sources else 1
         self.max_nodes = max_nodes
@@ -141,6 +147,9 @@ class Engine:
         self._ensure_capacity(len(history) + 1)
         self.S[: len(history)] = torch.tensor(history, dtype=torch.long)
         self.n = len(history)
+        self.final = self.n
+        if self.bans is not None:
+            self.bans.reset(self.n)
         self._rebuild(seed_sources=True)
         hist = self.S[: self.n].numpy()
         for src in self.sources:
@@ -157,15 +166,29 @@ class Engine:
         return torch.cat([self.S[: self.prompt_len], pin, self.S[s : self.n]])
 
     def _rebuild(self, seed_sources: bool = False) -> None:
-        """Prefill the cache with the current context, all but its last token (the next root)."""
+        """Prefill the cache with the current context, all but its last token (the next root).
+
+        Where the model's single steps compute other bits than its batches (`steps_apart`: llama.cpp with several
+        threads, ggmlmodel), the tokens a running engine wrote a step at a time since this span's rebuild are
+        written a step at a time here too, so a resume (or a restart anywhere in the span) holds the bits the
+        running engine held. The span's rebuild fell at n0 (the run's start in the first span), and drafting is off
+        there, so one step commits one token: the last n - n0 tokens of the body were single steps."""
         ctx = self._context_ids()
         self.span = self.window.span(self.n)
         self.cache.length = 0
         body = ctx[:-1]
         seed = seed_sources and any(isinstance(s, RecyclingDrafter) for s in self.sources)
-        for a in range(0, body.shape[0], PREFILL_CHUNK):
-            chunk = body[a : a + PREFILL_CHUNK].to(self.model.device)
-            pos = torch.arange(a, a + chunk.shape[0], device=self.model.device)
+        singles = 0
+        if getattr(self.model, "steps_apart", False):
+            s, _ = self.span
+            n0 = self.prompt_len if s == self.window.prompt else s + self.window.recent
+            singles = max(0, min(self.n - n0, body.shape[0]))
+        batched = body.shape[0] - singles
+        bounds = [(a, min(a + PREFILL_CHUNK, batched)) for a in range(0, batched, PREFILL_CHUNK)]
+        bounds += [(a, a + 1) for a in range(batched, body.shape[0])]
+        for a, z in bounds:
+            chunk = body[a:z].to(self.model.device)
+            pos = torch.arange(a, z, device=self.model.device)
             logits, _ = self.model.forward(chunk, pos, self.cache, logits_for=None if seed else slice(-1, None))
             self.cache.length += chunk.shape[0]
             if seed:
@@ -196,7 +219,9 @@ class Engine:
         logits, hidden = self.model.forward(flat.tokens, positions, self.cache, flat.anc if n_nodes > 1 else None)
         self.forwards += 1
         hist_t = self.S[: self.n]
-        processed = self.sampler.process(logits, hist_t, flat.tokens, flat.depth, flat.anc, flat.parent)
+        # the root's row decides position n: the tokens banned there (only positions <= n have any)
+        excluded = self.bans.excluded(self.n) if self.bans is not None else None
+        processed = self.sampler.process(logits, hist_t, flat.tokens, flat.depth, flat.anc, flat.parent, excluded)
         choice = self.sampler.choose(processed, (self.n + flat.depth).tolist()).tolist()
         path, bonus = walk(flat, choice)
         tok_list = flat.tokens.tolist()
@@ -212,6 +237,16 @@ class Engine:
                 new = new[: j + 1]
                 self.stopped = True
                 break
+        back = None  # the position to go back to: a banned phrase completed (the tokens after it are dropped)
+        if self.bans is not None:
+            let = self.bans.let_through
+            for j, t in enumerate(new):
+                back = self.bans.push(self.n + j, t)
+                if back is not None:
+                    new = new[: j + 1]
+                    self.stopped = False  # a stop token after the phrase's end was never reached
+                    break
+            let = self.bans.let_through - let
         # The cache keeps the root and every committed token but the last (the next root): the accepted path
         # cut to len(new) when the step was cut short, so the next step starts from exactly what was committed.
         self.cache.compact(base, torch.tensor(path[: len(new)], device=self.model.device))
@@ -239,7 +274,32 @@ class Engine:
             if self._shadows:
                 self._check_shadows(hist)
         accepted_src = [flat.sources[i] for i in path[1 : len(new) + 1]]  # drafts among the committed tokens
-        return Step(new, n_nodes, n_nodes - 1, accepted_src, rebuilt)
+        if self.bans is None:
+            return Step(new, n_nodes, n_nodes - 1, accepted_src, rebuilt)
+        if back is not None:
+            self._back(back)
+        # the end of the run (the target, a stop token): what is written is the text, a phrase under way is none
+        end = back is None and (len(new) == remaining or self.stopped)
+        old = self.final
+        final = self.bans.settle(self.n, everything=end)
+        self.final = final
+        return Step(self.S[old:final].tolist(), n_nodes, n_nodes - 1, accepted_src, rebuilt,
+                    backtracks=int(back is not None), let_through=let)
+
+    def _back(self, s: int) -> None:
+        """Go back to position s (a banned phrase began there) and exclude its token there: as plain decoding would
+        stand had it never chosen that token. The cache drops the tokens from s on (all but the new root S[s - 1]);
+        when s lies before the context's last rebuild, the context is rebuilt for s, as a resume at s would."""
+        self.bans.back(s, int(self.S[s]))
+        drop = self.n - s
+        self.n = s
+        self._shadows.clear()  # their tokens were taken back
+        if self.window.span(s) != self.span or self.cache.length - drop < 0:
+            self._rebuild()
+        else:
+            self.cache.length -= drop
+        for src in self.sources:
+            src.rewind(s)
 
     def _draft(self, tree: DraftTree, max_depth: int) -> tuple[int, bool]:
         """Let the sources propose into `tree`; return how many of its nodes to verify, and whether this is a
@@ -291,8 +351,9 @@ class Engine:
         self.n += len(ids)
         if self.n < self.span[1]:
             body = self.S[old - 1 : self.n - 1]
-            for a in range(0, body.shape[0], PREFILL_CHUNK):
-                chunk = body[a : a + PREFILL_CHUNK].to(self.model.device)
+            size = 1 if getattr(self.model, "steps_apart", False) else PREFILL_CHUNK  # as _rebuild will redo them
+            for a in range(0, body.shape[0], size):
+                chunk = body[a : a + size].to(self.model.device)
                 pos = torch.arange(self.cache.length, self.cache.length + chunk.shape[0], device=self.model.device)
                 self.model.forward(chunk, pos, self.cache, logits_for=slice(-1, None))
                 self.cache.length += chunk.shape[0]

@@ -19,6 +19,13 @@ output as one dot product over it, so a row's bits need not depend on the rows b
 other kernels (repacked GEMMs, llamafile's tiles) than a single step. `check_rows` runs the same tokens one at a
 time, as one batch and inside a branching tree, and compares the logits bit for bit; drafting runs only where they
 agree (loading.build_engine), so speculative output stays plain decoding's.
+
+**Where single steps part from batches** (`steps_apart`: with more than one thread, llama.cpp splits a single
+query's attention over 512 or more cells across its threads and a batch's not; see _check_long_context), drafting is
+off and the engine keeps each position's kind of computation the same in every run: a context rebuild (and the
+start of a run) prefills in batches what the running engine had prefilled in batches, and the tokens it had
+written a step at a time after that rebuild a step at a time again (Engine._rebuild). Resume then costs up to one
+window's tokens as single steps, and the plain step keeps llama.cpp's own speed.
 """
 
 from __future__ import annotations
@@ -218,7 +225,10 @@ class GgmlModel:
         self._nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(MAX_ROWS,))
         self._out = np.ctypeslib.as_array(b.logits, shape=(MAX_ROWS,))
         self._seq = [b.seq_id[i] for i in range(MAX_ROWS)]
-        self.max_rows = 1  # rows one llama_decode may carry: set by check_rows (one row is a plain step's own)
+        # rows a tree may carry (max_rows) and a prefill's batches (batch_rows): set by check_rows. steps_apart: a
+        # single step's bits differ from a batch row's at long contexts here (drafting off, see the module docstring)
+        self.max_rows = self.batch_rows = 1
+        self.steps_apart = False
 
     @property
     def weight_bytes(self) -> int:
@@ -252,11 +262,12 @@ class GgmlModel:
             at = np.full(n, -1, dtype=np.int64)
             at[order[wanted[order]]] = np.arange(int(wanted.sum()))
             return torch.from_numpy(got[at[rows]]), torch.empty(n, 0)
-        # causal tokens (a step, a prefill): in batches of at most max_rows, the most whose rows keep a single
-        # step's bits here (check_rows), so a prefilled context equals one written a token at a time
+        # causal tokens (a step, a prefill): in batches of at most batch_rows, the most whose rows keep a single
+        # step's bits here (check_rows), so a prefilled context equals one written a token at a time (up to ~512
+        # cells where steps_apart)
         parts, ids_np, pos_np = [], ids.numpy(), positions.numpy()
-        for a in range(0, n, self.max_rows):
-            b = min(n, a + self.max_rows)
+        for a in range(0, n, self.batch_rows):
+            b = min(n, a + self.batch_rows)
             parts.append(self._decode(cache, ids_np[a:b], pos_np[a:b], wanted[a:b]))
         got = parts[0] if len(parts) == 1 else np.concatenate(parts)
         if len(rows) == len(got) and (len(rows) < 2 or rows[0] < rows[-1]):  # every wanted row, in order
@@ -301,7 +312,8 @@ class GgmlModel:
         ids = torch.from_numpy(rng.integers(0, self.vocab, PROBE_TOKENS)).long()
         cache = self.new_cache(2 * PROBE_TOKENS)
         try:
-            self.max_rows = 1
+            self.max_rows = self.batch_rows = 1
+            self.steps_apart = False
             single = []
             for i in range(PROBE_TOKENS):
                 logits, _ = self.forward(ids[i : i + 1], torch.tensor([i]), cache)
@@ -309,14 +321,15 @@ class GgmlModel:
                 single.append(logits[0])
             single = torch.stack(single)
             for size in PROBE_SIZES:
-                self.max_rows = size
+                self.batch_rows = size
                 cache.length = 0
                 batch, _ = self.forward(ids[:size], torch.arange(size), cache)
                 if torch.equal(batch, single[:size]):
                     break
             else:
-                self.max_rows = 1
+                self.batch_rows = 1
                 return "a batch of tokens computes other bits than single steps in llama.cpp here"
+            self.max_rows = self.batch_rows
             k = min(self.max_rows // 2, PROBE_TOKENS // 2)  # path nodes; a sibling beside each but the root
             start = PROBE_TOKENS - k
             tokens = torch.cat([ids[start:], (ids[start + 1 :] + 1) % self.vocab])
@@ -341,8 +354,8 @@ class GgmlModel:
         """The same comparison after PROBE_CONTEXT tokens of context. Measured 2026-12-04 (2 threads, flash
         attention): llama.cpp computes a single step's attention over a long context split across its threads,
         and a batch's not, so from ~512 tokens on a step and a batch differ in the last bits (with one thread they
-        agree). Then nothing may be batched after the prompt: `max_rows` becomes 1, so plain decoding, resume and
-        rebuilds compute every row as a single step does, and drafting is off."""
+        agree). Then `steps_apart` is set and `max_rows` becomes 1: drafting is off, and the engine rebuilds its
+        context with every position computed as the running engine computed it (the module docstring)."""
         if self.cfg.max_positions < PROBE_CONTEXT + 2 * PROBE_BATCH:
             return None  # the model never attends that far
         rng = np.random.default_rng(1)
@@ -360,12 +373,19 @@ class GgmlModel:
             cache.length = PROBE_CONTEXT
             batch, _ = self.forward(ids, PROBE_CONTEXT + torch.arange(PROBE_BATCH), cache)
             if not torch.equal(batch, torch.stack(single)):
-                self.max_rows = 1
+                self.part_steps()
                 return (f"after {PROBE_CONTEXT} tokens of context a batch computes other bits than single steps in "
                         f"llama.cpp with {self.threads} threads here")
             return None
         finally:
             cache.close()
+
+    def part_steps(self) -> None:
+        """Single steps part from batches here: no trees (drafting off), the engine rebuilds position by position
+        as it ran (Engine._rebuild), and attention without flash attention, llama.cpp's default and the cheaper at
+        long contexts (19.0 against 21.6 ms a step at 3,000 tokens, 2 threads, smollm2-135m, 2026-12-04), which
+        only trees needed."""
+        self.max_rows, self.steps_apart, self.flash_attn = 1, True, 0
 
     def close(self) -> None:
         if getattr(self, "handle", None):

@@ -336,6 +336,9 @@ class TwoPassHeadsDrafter(HeadsDrafter):
     def after_accept(self, hidden: torch.Tensor) -> None:
         pass  # the root's state comes from the draft forward instead
 
+    def rewind(self, n: int) -> None:
+        self._span = None  # the partial cache holds taken-back tokens: rebuilt at the next proposal
+
     def after_commit(self, history: np.ndarray, n_new: int) -> None:
         pass
 

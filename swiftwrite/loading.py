@@ -18,6 +18,7 @@ import torch
 from . import backends
 from . import budget as budget_mod
 from . import ranks
+from .bans import Bans, PhraseError, check_phrases, token_bytes
 from .budget import MAX_BUDGET
 from .config import Config, breaker_strings
 from .devices import attention_notes, fit_dtype, free_memory, pick_device, pick_weights, quantized_option, weight_bytes
@@ -274,6 +275,25 @@ def _breaker_ids(tok, strings: tuple[str, ...], vocab: int) -> tuple[int, ...]:
     return tuple(i for i, t in enumerate(texts) if any(b in t for b in strings))
 
 
+def ban_list(cfg: Config, lm: Loaded, window: "Window") -> Bans | None:
+    """The run's banned phrases (--ban, with --ban-file's already added by the writer), checked against what can be
+    written: None when there are none, so a step does no work for them."""
+    if not cfg.ban:
+        return None
+    phrases = check_phrases(cfg.ban)
+    room = window.context - window.prompt
+    for p in phrases:
+        if lm.tok is not None and len(lm.tok(p, add_special_tokens=False)["input_ids"]) > room:
+            raise PhraseError(f"the banned phrase {p[:40]!r} is longer than the {room} tokens the context leaves for "
+                              "writing, so it can never be written; drop it or shorten it.")
+    return Bans(phrases, _token_bytes(lm.tok, lm.model.cfg.vocab_size))
+
+
+@functools.lru_cache(maxsize=4)
+def _token_bytes(tok, vocab: int) -> list[bytes]:
+    return token_bytes(tok, vocab)  # the whole vocabulary: once per tokenizer
+
+
 def text_start_for(cfg: Config, prompt_len: int) -> int:
     """Where the text the penalties count begins: after the prompt when it holds a --source document (restating
     the source's names and figures is what grounded writing does; penalising it pushed the default model into
@@ -328,12 +348,14 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
     if cfg.static_tree and fixed is None:
         fixed = budget_mod.MAX_BUDGET
     engine = Engine(model, Sampler(settings, model.cfg.vocab_size, model.device), window, sources, stats,
-                    budget=fixed, capacity=total + 1, stop_ids=stops if cfg.stop_at_eos else ())
+                    budget=fixed, capacity=total + 1, stop_ids=stops if cfg.stop_at_eos else (),
+                    bans=ban_list(cfg, lm, window))
     if lm.weights_note:
         display.info(lm.weights_note)
         lm.weights_note = None  # once per run, not once per engine (bench builds one per method)
-    display.info(f"KV cache: {human_bytes(engine.cache.nbytes)} for a {window.context}-token context on "
-                 f"{lm.device}/{dtype_name(lm.dtype)}" + (f", {lm.weights} weights" if lm.weights != "float" else ""))
+    where = ("llama.cpp, float16" if lm.backend == "ggml"
+             else f"{lm.device}/{dtype_name(lm.dtype)}" + (f", {lm.weights} weights" if lm.weights != "float" else ""))
+    display.info(f"KV cache: {human_bytes(engine.cache.nbytes)} for a {window.context}-token context in {where}")
     return engine
 
 

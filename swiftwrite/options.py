@@ -2,7 +2,8 @@
 shows. config.Config takes its fields from this table (same order, types and defaults) and cli.generate its options;
 tests/test_options.py checks that the README's options table names each one.
 
-A bool is a flag (`--raw`); every other option is read as a string and typed by config.coerce, the code that reads
+A bool is a flag (`--raw`); a tuple is a repeatable option (`--ban A --ban B`) whose values are strings; every
+other option is read as a string and typed by config.coerce, the code that reads
 YAML and the environment too, so a bad value gets the same one-sentence error from every source. The comments say
 why each default is what it is; config.Config.validate holds the ranges.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Option:
     name: str  # the Config field; the flag is --name with dashes, the variable SWIFTWRITE_NAME
-    type: type  # bool, int, float or str: what config.coerce turns a value into
+    type: type  # bool, int, float, str or tuple (of strings, repeatable): what config.coerce turns a value into
     default: object
     metavar: str  # the value's placeholder in --help; "" for a flag
     help: str  # the line `swiftwrite generate --help` shows
@@ -124,6 +125,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("plan_only", bool, False, "", "Write the planned outline and stop (edit it, pass it to --outline)."),
     # --plan: how many sections; 0 = one per 2,000 tokens of --tokens, 3 to 50
     Option("sections", int, 0, "N", "--plan: sections to plan (default: one per 2,000 tokens, 3 to 50)."),
+    # banned phrases (bans.py): the text never contains one; where it would complete one, decoding goes back to where
+    # it began and chooses again without that token. Matched in any case, after a space or not. Stored with the run
+    # (the phrases of --ban-file included), so `resume` keeps enforcing them
+    Option("ban", tuple, (), "PHRASE", "A phrase the text must never contain (repeatable); any case, after a space or not."),
+    # one phrase per line, read once at `generate` and added to --ban's in the run's settings; "" = none
+    Option("ban_file", str, "", "FILE", "A file of phrases to ban, one per line."),
 )
 
 BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}

@@ -85,10 +85,11 @@ class Sampler:
         return pres
 
     def process(self, logits: torch.Tensor, history: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor,
-                anc: torch.Tensor, parent: torch.Tensor | None = None) -> torch.Tensor:
+                anc: torch.Tensor, parent: torch.Tensor | None = None, excluded: list[int] | None = None) -> torch.Tensor:
         """Penalty, n-gram suppression, end-of-text suppression, temperature and filters, per node. `history`
         is the committed sequence on the CPU (its last token is the root); `parent` of each node (root: -1),
-        derived from `anc` when not given. Returns float logits [n, vocab] (a new tensor)."""
+        derived from `anc` when not given; `excluded`: ids the root's row may not choose (banned phrases start
+        there: removed like end-of-text, before the filters). Returns float logits [n, vocab] (a new tensor)."""
         s = self.s
         if s.penalty != 1.0 and s.window > 0:
             pres = self.presence(history, tokens, depth, anc)
@@ -99,6 +100,10 @@ class Sampler:
             logits = self._dry(logits, history, tokens, depth, anc, parent)
         if self._suppress is not None:
             logits = logits.index_fill(-1, self._suppress, float("-inf"))  # not in place: inference-mode tensor
+        if excluded:
+            logits = logits.index_put((torch.zeros(len(excluded), dtype=torch.long, device=logits.device),
+                                       torch.tensor(excluded, dtype=torch.long, device=logits.device)),
+                                      torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
         if self.greedy:
             return logits
         logits = logits / s.temperature

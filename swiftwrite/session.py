@@ -26,6 +26,7 @@ import torch
 from . import outline as outlines
 from . import threads
 from .backends import cpu_extensions
+from .bans import MAX_RETRIES
 from .config import Config
 from .engine import SOURCES, Engine, Step
 from .errors import RankLost, UserError
@@ -142,11 +143,14 @@ class RunStats:
     distinct_4: float | None = None
     distinct_1: float | None = None
     distinct_at: float = 0.0  # perf_counter() of the last Distinct measurement
+    backtracks: int = 0  # banned phrases: times decoding went back, every process of the run
     t0: float = field(default_factory=time.perf_counter)
 
     @classmethod
     def of(cls, rd: RunDir, target: int, sources) -> RunStats:
-        return cls(target, len(rd.tokens), {s.name: 0 for s in sources}, cls.history_of(rd.stats or {}))
+        prev = rd.stats or {}
+        return cls(target, len(rd.tokens), {s.name: 0 for s in sources}, cls.history_of(prev),
+                   backtracks=plain_int((prev.get("banned_phrases") or {}).get("backtracks"), 1 << 62))
 
     @staticmethod
     def history_of(prev: dict) -> list:
@@ -160,6 +164,7 @@ class RunStats:
         self.forwards += 0 if step.forced else 1
         self.forced += n if step.forced else 0
         self.drafted += step.drafted
+        self.backtracks += step.backtracks
         self.made += n
         self.done += n
         self.since += n
@@ -215,7 +220,8 @@ class Session:
             st.measure_distinct(rd.tokens)
         return Progress(st.done, st.target, st.seconds(), st.made, st.forwards, st.per_source, self.budget(),
                         self.engine.cache.nbytes, _rss(), st.checkpoints, st.last_checkpoint, st.tail, st.distinct_4,
-                        st.repeat, distinct_1=st.distinct_1, section=self.section(st.done), round=rd.round)
+                        st.repeat, distinct_1=st.distinct_1, section=self.section(st.done), round=rd.round,
+                        backtracks=st.backtracks if self.engine.bans is not None else None)
 
     def stats(self, st: RunStats, rd: RunDir, pending: int, gov) -> dict:
         engine, lm, sched = self.engine, self.lm, self.sched
@@ -234,6 +240,8 @@ class Session:
             "weights": lm.weights, "backend": lm.backend, "cpu": cpu_extensions(), "text_pending_tokens": pending,
             "earlier_processes": st.history,
             "longest_current_repeat": st.repeat, **({"stopped": st.stopped} if st.stopped else {}),
+            **({"banned_phrases": {"phrases": len(engine.bans.phrases), "backtracks": st.backtracks}}
+               if engine.bans else {}),
             "threads": torch.get_num_threads(), **({"thread_changes": gov.changes} if gov else {}),
             "tp": lm.tp,  # the ranks this text came from: resume keeps it (ranks.recorded)
             # a run continued from an edited text (rounds.py): its round, and the token where the edit began
@@ -296,6 +304,9 @@ class Session:
                     outlines.drive(engine, sched, st.target - st.done, list(rd.tokens))
                 for step in _until_a_rank_is_lost(steps, rank_lost := []):
                     st.count(step, engine.sources)
+                    if step.let_through:
+                        display.alert(f"swiftwrite: a banned phrase was chosen again after {MAX_RETRIES} other first "
+                                      f"tokens were tried at the same place (near token {st.done}); it stays in the text.")
                     text = stream.push(step.tokens)
                     rd.append(step.tokens, text)
                     if text:

@@ -41,6 +41,7 @@ class Progress:
     distinct_1: float | None = None  # Distinct-1 of the last WORDS_WINDOW tokens; None until measured
     section: tuple | None = None  # outline runs: (k, N, title, tokens written in it, its budget)
     round: int = 1  # rounds of writing: 2 and up after `resume --edited` (rounds.py)
+    backtracks: int | None = None  # banned phrases: times decoding went back (None: no phrase banned)
 
 
 QUALITY_WINDOW = 2000  # tokens the live Distinct-4 looks back: recent enough to show a loop as it starts
@@ -147,7 +148,8 @@ class Display:
                 print(f"[swiftwrite] {p.done}/{p.target} tokens  {avg:.1f} tok/s  {tpf:.2f} tok/forward  "
                       f"left {eta(p.target - p.done, recent)}  D-4 {_d4(p)}  D-1/{WORDS_WINDOW} {_d1(p)}  repeat {p.repeat}  "
                       f"checkpoints {p.checkpoints}  rss {human_bytes(p.rss_bytes)}" + _section_line(p)
-                      + (f"  round {p.round}" if p.round > 1 else ""),
+                      + (f"  round {p.round}" if p.round > 1 else "")
+                      + (f"  banned-phrase backtracks {p.backtracks}" if p.backtracks is not None else ""),
                       file=sys.stderr, flush=True)
             return
         if self._live is not None and (force or now - self._last >= 0.25):
@@ -177,6 +179,8 @@ class Display:
         t.add_row("text", Text(f"Distinct-4 {_d4(p)} (last {QUALITY_WINDOW:,} tokens), Distinct-1 {_d1(p)} (last "
                                f"{WORDS_WINDOW}), verbatim repeat {p.repeat} tokens" + ("  LOOPING" if looping else ""),
                                style="bold red" if looping else ""))
+        if p.backtracks is not None:
+            t.add_row("banned", f"went back {p.backtracks} times to avoid a banned phrase")
         t.add_row("memory", f"KV cache {human_bytes(p.kv_bytes)}, process {human_bytes(p.rss_bytes)}")
         ago = f", last {time.time() - p.last_checkpoint:.0f} s ago" if p.checkpoints else ""
         t.add_row("checkpoints", f"{p.checkpoints}{ago}")

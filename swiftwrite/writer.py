@@ -23,6 +23,7 @@ import torch
 
 from . import outline as outlines
 from . import ranks, rounds
+from .bans import read_ban_file
 from .config import Config
 from .config import resolve as resolve_cfg
 from .devices import pick_device
@@ -92,6 +93,8 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
     # Cheapest first: what the user typed, then the model's files, then its weights.
     brief = read_prompt(prompt_source)
     source = read_source(cfg.source) if cfg.source else None
+    if cfg.ban_file:  # read once: the run's settings keep its phrases, so `resume` never reads it again
+        cfg.ban = (*cfg.ban, *(p for p in read_ban_file(cfg.ban_file) if p.strip() not in cfg.ban))
     sections = budgets = None
     planning = cfg.plan or cfg.plan_only
     if cfg.outline:

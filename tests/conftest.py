@@ -15,6 +15,24 @@ os.environ.setdefault("SWIFTWRITE_BACKEND", "torch")
 
 from swiftwrite import store  # noqa: E402
 from swiftwrite.errors import UserError
+from swiftwrite.weightfiles import keep_float_copy
+
+# The suite runs on two pytest-xdist workers, whole files each (pyproject's addopts). Each worker computes on one
+# intra-op thread: two workers with two threads each would oversubscribe the two cores, and a 2-thread torch waits
+# at every barrier under other load (see one_torch_thread). Tests that need two threads set them themselves.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+
+def pytest_sessionstart(session):
+    """Fetch and convert the default model once, before the workers start, when the slow tier runs: two workers
+    pulling it into an empty store at once would race for the same directory."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or "not slow" in (session.config.getoption("markexpr") or ""):
+        return
+    try:
+        keep_float_copy(store.locate(store.DEFAULT_MODEL) or store.pull(store.DEFAULT_MODEL))
+    except UserError:
+        pass  # the tests that need it skip with the reason (default_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +48,6 @@ def default_model_dir():
             pytest.skip(f"default model {store.DEFAULT_MODEL} is not in {where} and could not be pulled: {e}")
     # The tests compare with transformers, which reads safetensors: the store keeps the GGUF and writes this float
     # copy for the first run that asks for float weights; here it is asked for up front, whatever runs first.
-    from swiftwrite.weightfiles import keep_float_copy
-
     keep_float_copy(path)
     return path
 

@@ -9,12 +9,14 @@ these tests fail rather than skip when the binding is missing."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import torch
 
 from gguf_tiny import write_gguf
+from swiftwrite.bans import Bans
 from swiftwrite.engine import Engine, make_sources
 from swiftwrite.sampling import Sampler, SamplerSettings
 from swiftwrite.window import Window
@@ -54,12 +56,13 @@ def prompt(n=24):
     return torch.randint(3, VOCAB - 3, (n,), generator=torch.Generator().manual_seed(5)).tolist()
 
 
-def generate(model, settings, names=(), n=600, history=None, budget=8):
+def generate(model, settings, names=(), n=600, history=None, budget=8, bans=None):
     sources, stats = make_sources(list(names), VOCAB)
     p = prompt()
     history = history or p
     engine = Engine(model, Sampler(settings, VOCAB), Window(CONTEXT, len(p)), sources, stats,
-                    budget=budget if names else None, capacity=len(p) + n + len(history) + 1)
+                    budget=budget if names else None, capacity=len(p) + n + len(history) + 1,
+                    bans=Bans(bans, SPELLING) if bans else None)
     engine.start(history)
     steps = list(engine.run(n))
     return [t for s in steps for t in s.tokens], steps
@@ -145,3 +148,67 @@ def test_a_file_llama_cpp_cannot_load_is_one_sentence(tmp_path):
     bad.write_bytes(whole[: len(whole) // 2])
     with pytest.raises(ggmlmodel.UserError, match="llama.cpp cannot load .*--backend torch"):
         GgmlModel(bad, tiny_config(), threads=1)
+
+
+LONG = 900  # a window past the 512 cells from which llama.cpp splits a single step's attention across threads
+
+
+@pytest.fixture(scope="module")
+def two_threads(tmp_path_factory):
+    path = write_gguf(tmp_path_factory.mktemp("gguf") / "long.gguf", vocab=VOCAB, tied=True)
+    m = GgmlModel(path, dataclasses.replace(tiny_config(), max_positions=2048), threads=2, flash_attn=1)
+    m.rows_note = m.check_rows()
+    yield m
+    m.close()
+
+
+def run_long(model, n, history=None):
+    p = prompt()
+    engine = Engine(model, Sampler(SETTINGS["sample"], VOCAB), Window(LONG, len(p)), [], None,
+                    capacity=len(p) + n + len(history or []) + 1)
+    engine.start(history or p)
+    steps = list(engine.run(n))
+    return [t for s in steps for t in s.tokens], steps
+
+
+def test_with_two_threads_single_steps_part_from_batches_at_long_contexts_and_drafting_goes_off(two_threads):
+    """What the probe finds in llama.cpp 0.3.36's CPU backend (a single query's attention over 512 cells or more is
+    split across threads, a batch's is not): batches keep the bits at short contexts, so prefill stays batched,
+    but trees would not be exact after ~512 tokens."""
+    assert two_threads.steps_apart
+    assert two_threads.max_rows == 1 and two_threads.batch_rows >= 16
+    assert "768 tokens of context" in two_threads.rows_note
+
+
+@pytest.mark.parametrize("cut", [700, 1000, 1400])  # in the first window, the second, the third
+def test_where_steps_part_from_batches_a_restart_anywhere_continues_exactly(two_threads, cut):
+    """Resume rebuilds the context with each position computed as the running engine computed it: batched up to
+    the window's rebuild, then a step at a time; a restart in any window then continues to the same tokens. (A
+    restart that batched the whole context left these tokens at 79 tokens after the cut at 1000, 2026-12-04.)"""
+    whole, steps = run_long(two_threads, 1500)
+    assert sum(s.rebuilt for s in steps) == 2
+    first = whole[:cut]
+    rest, _ = run_long(two_threads, 1500 - cut, history=prompt() + first)
+    assert first + rest == whole
+
+
+# Banned phrases: going back drops the llama.cpp cache's cells past the new length (GgmlCache.high), so a run that
+# goes back still writes, with drafts, what plain decoding writes. Ids spell letters; the phrases are the text's
+# most frequent two-token stretches, so the ban bites often.
+SPELLING = [b""] * 3 + [chr(ord("a") + t % 13).encode() for t in range(3, VOCAB)]
+
+
+@pytest.mark.parametrize("setting", ["greedy-penalty", "sample"])
+def test_speculative_equals_plain_with_banned_phrases(model, setting):
+    free = generate(model, SETTINGS[setting])[0]
+    text = [SPELLING[t].decode() for t in free]
+    grams = {}
+    for a in range(len(text) - 2):
+        g = text[a] + text[a + 1] + text[a + 2]
+        grams[g] = grams.get(g, 0) + 1
+    bans = tuple(sorted(grams, key=grams.get, reverse=True)[:2])
+    ref, ref_steps = generate(model, SETTINGS[setting], bans=bans)
+    got, steps = generate(model, SETTINGS[setting], ["recycling", "ngram"], bans=bans)
+    assert got == ref and ref != free
+    assert sum(s.backtracks for s in ref_steps) >= 2 and sum(s.drafted for s in steps) > 0
+    assert not any(b in "".join(SPELLING[t].decode() for t in got) for b in bans)

@@ -23,7 +23,7 @@ LAYERS = [
     # models: the implementations of forward.Forward, and the wrappers around the lean one
     ["model", "hfmodel", "ggmlmodel", "graphs", "parallel"],
     # decoding pieces: sampling and penalties, draft trees and sources, the context window, the cost curve
-    ["repetition", "sampling", "tree", "drafting", "ngram", "recycling", "heads", "window", "budget"],
+    ["repetition", "bans", "sampling", "tree", "drafting", "ngram", "recycling", "heads", "window", "budget"],
     # the engine: token ids in, token ids and step statistics out
     ["engine"],
     # run I/O the loader and the writer share: prompts to ids, the run directory, the panel, statistics

@@ -126,7 +126,7 @@ def test_text_written_while_threads_follow_the_load_is_plain_decodings(default_m
     out = {}
     for name, draft, fn in (("plain", "none", lambda *a: None), ("switching", "all", switching)):
         monkeypatch.setattr(threads, "governor_for", fn)
-        cfg = Config(tokens=300, draft=draft, temperature=0.0, context=256).validate()
+        cfg = Config(tokens=300, draft=draft, temperature=0.0, context=256, backend="torch").validate()
         rc = writer.generate(cfg, str(default_model_prompt(tmp_path)), tmp_path / name, tmp_path / f"{name}.md",
                              True, True, tmp_path / f"{name}.json")
         assert rc == 0
