@@ -382,9 +382,8 @@ class GgmlModel:
 
     def part_steps(self) -> None:
         """Single steps part from batches here: no trees (drafting off), the engine rebuilds position by position
-        as it ran (Engine._rebuild), and attention without flash attention, llama.cpp's default and the cheaper at
-        long contexts (19.0 against 21.6 ms a step at 3,000 tokens, 2 threads, smollm2-135m, 2026-12-04), which
-        only trees needed."""
+        as it ran (Engine._rebuild), and attention without flash attention: llama.cpp's default (the peer in
+        `swiftwrite bench` runs it too), which only trees needed."""
         self.max_rows, self.steps_apart, self.flash_attn = 1, True, 0
 
     def close(self) -> None:
