@@ -83,17 +83,7 @@ SLOW_TESTS = {
 }
 
 
-# Files of the slow tier, longest first (CI's --durations, 2026-12-04): the xdist workers take whole files in this
-# order, so the long ones start early and no worker is left with one at the end.
-LONGEST_FIRST = ["test_engine", "test_cli", "test_exact", "test_gpu_check", "test_threads", "test_rounds_cli",
-                 "test_graphs", "test_cli_ggml", "test_bad_input", "test_tp_cli", "test_quant", "test_heads",
-                 "test_bans", "test_kill_sweep", "test_outline_cli", "test_parallel", "test_model"]
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    # a stable sort: each file's own order is kept
-    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
         if (module in SLOW_MODULES or item.originalname in SLOW_TESTS

@@ -103,8 +103,8 @@ def test_the_probe_catches_a_forward_whose_bits_follow_the_thread_count(tmp_path
     assert not threads.same_bits(model, 1, threads.signature(model))
 
 
-TOKENS = 160  # a count change every few steps: ~20 changes. Its two threads wait at every barrier while the suite's
-# other worker runs (151 s for 300 tokens in CI, 4 s alone), so the run is kept short
+TOKENS = 100  # the simulated load turns every 4 steps: 24 count changes. Its two threads wait at every barrier
+# while the suite's other worker runs (151 s for 300 tokens in CI, 4 s alone), so the run is kept short
 
 
 def test_text_written_while_threads_follow_the_load_is_plain_decodings(default_model_dir, tmp_path, monkeypatch,
@@ -135,7 +135,7 @@ def test_text_written_while_threads_follow_the_load_is_plain_decodings(default_m
                              True, True, tmp_path / f"{name}.json")
         assert rc == 0
         out[name] = (tmp_path / name / "tokens.bin").read_bytes()
-    assert made and made[0].changes >= 10 and made[0].allowed.get(1) is True
+    assert made and made[0].changes >= 10 and made[0].allowed.get(1) is True, made[0].changes
     assert len(out["plain"]) == 4 * TOKENS and out["switching"] == out["plain"]
 
 
