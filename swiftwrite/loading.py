@@ -331,7 +331,7 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
                          "(as --draft none) keeps it exactly what plain decoding writes.")
             names = []
     if names and getattr(model, "rows_note", None):  # the llama.cpp backend's probe (ggmlmodel.check_rows)
-        display.info(f"--backend ggml: {model.rows_note}, so drafts could change the text; decoding without them "
+        display.info(f"llama.cpp: {model.rows_note}, so drafts could change the text; decoding without them "
                      "(as --draft none) keeps it exactly what plain decoding writes.")
         names = []
     heads = load_head_drafter(lm, required=cfg.draft == "heads", display=display, cfg=cfg, window=window) \
