@@ -31,7 +31,7 @@ import bisect
 
 import numpy as np
 
-from .errors import UserError
+from .errors import UserError, read_user_file
 
 MAX_RETRIES = 8  # exclusions at one position before a match that starts there is let through
 
@@ -61,14 +61,7 @@ def check_phrases(phrases, where: str = "--ban") -> tuple[str, ...]:
 
 def read_ban_file(path: str) -> list[str]:
     """One phrase per line, blank lines skipped. PhraseError (one sentence) for a missing, unreadable or binary file."""
-    try:
-        data = open(path, "rb").read()
-    except FileNotFoundError:
-        raise PhraseError(f"--ban-file {path} does not exist; give a text file with one phrase per line.") from None
-    except IsADirectoryError:
-        raise PhraseError(f"--ban-file {path} is a directory; give a text file with one phrase per line.") from None
-    except OSError as e:
-        raise PhraseError(f"--ban-file {path} cannot be read ({e.strerror}).") from None
+    data = read_user_file(path, "--ban-file", "give a text file with one phrase per line", PhraseError)
     try:
         if b"\0" in data:
             raise UnicodeDecodeError("utf-8", data, 0, 1, "NUL byte")

@@ -28,7 +28,7 @@ from .config import Config
 from .config import resolve as resolve_cfg
 from .devices import pick_device
 from .engine import Engine
-from .errors import UsageError, UserError
+from .errors import UsageError, UserError, read_user_file
 from .loading import Loaded, dry_settings, load_weights, make_window, open_model, suppressed_ids
 from .prompt import TextStream, apply_template, prompt_ids, read_prompt, read_source
 from .rundir import RunDir
@@ -259,14 +259,7 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
 
 def read_edited(path: Path) -> str:
     """The edited document's text, or one sentence: missing, not text, empty. Reads nothing else."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise UserError(f"--edited {path} does not exist; give the document file you edited.") from None
-    except IsADirectoryError:
-        raise UserError(f"--edited {path} is a directory; give the document file you edited.") from None
-    except OSError as e:
-        raise UserError(f"--edited {path} cannot be read ({e.strerror}); check its permissions.") from None
+    data = read_user_file(path, "--edited", "give the document file you edited", unreadable="; check its permissions")
     if b"\0" in data:
         raise UserError(f"--edited {path} is not text (it contains NUL bytes); give the edited document as UTF-8 text.")
     try:
