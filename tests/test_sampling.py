@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from swiftwrite.engine import Engine
 from swiftwrite.model import load_lean
+from swiftwrite import sampling
 from swiftwrite.sampling import Sampler, SamplerSettings
 from swiftwrite.tree import DraftTree
 from swiftwrite.window import Window
@@ -269,3 +271,49 @@ def test_suppressed_tokens_are_never_chosen_even_from_inference_mode_logits():
     flat = DraftTree().select(0, 0)
     proc = sampler.process(logits, torch.tensor([0]), flat.tokens, flat.depth, flat.anc)
     assert int(sampler.choose(proc, [0])) != int(logits.argmax())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The fast ways give the same bits
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 37])
+def test_noise_at_a_few_ids_equals_the_whole_vocabularys_noise_there(vocab):
+    rng = np.random.default_rng(vocab)
+    for seed in (0, 7, 2**32 - 1):
+        sampler = Sampler(SamplerSettings(temperature=0.7, seed=seed), vocab)
+        for position in (0, 1, 4097, 123456):
+            ids = np.sort(rng.choice(vocab, size=min(vocab, 40), replace=False))
+            assert torch.equal(sampler.noise_at(position, ids), sampler.noise(position)[torch.from_numpy(ids)])
+            assert torch.equal(sampler.noise_at(position, ids[:1]), sampler.noise(position)[ids[:1]])
+
+
+def _full_choice(sampler: Sampler, processed: torch.Tensor, positions: list[int]) -> list[int]:
+    """choose() by its definition: argmax over the whole row of logits + the position's noise."""
+    return [int((processed[r] + sampler.noise(p)).argmax()) for r, p in enumerate(positions)]
+
+
+@pytest.mark.parametrize("min_p", [0.05, 0.3])
+def test_choosing_among_the_candidates_min_p_leaves_equals_the_choice_over_the_vocabulary(min_p):
+    vocab, gen = 5000, torch.Generator().manual_seed(3)
+    sampler = Sampler(SamplerSettings(temperature=0.8, min_p=min_p, seed=11), vocab)
+    for trial in range(30):
+        n = 1 + trial % 7
+        logits = torch.randn(n, vocab, generator=gen) * 4
+        if trial % 5 == 0 and n > 1:
+            logits[-1] = float("-inf")  # a row left without candidates chooses 0, as the full argmax does
+        processed = sampler.process(logits, torch.tensor([1, 2, 3]), torch.zeros(n, dtype=torch.long),
+                                    torch.zeros(n, dtype=torch.long), torch.eye(n, dtype=torch.bool))
+        positions = [trial * 10 + r % 3 for r in range(n)]
+        assert 0 < int(torch.isfinite(processed).sum()) < 2048  # the candidates' path, not the vocabulary's
+        assert sampler.choose(processed, positions).tolist() == _full_choice(sampler, processed, positions)
+
+
+def test_min_p_in_numpy_equals_min_p_in_torch():
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(50):
+        logits = torch.randn(3, 4000, generator=gen) * 5
+        probs = torch.softmax(logits, dim=-1)
+        for scale in (0.1, 0.05, 0.37):
+            want = logits.masked_fill(probs < scale * probs.max(-1, keepdim=True).values, float("-inf"))
+            assert torch.equal(sampling._drop_below(logits, probs, scale), want)
