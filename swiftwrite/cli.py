@@ -145,7 +145,7 @@ def resume(
 
 @app.command()
 def bench(
-    methods: Optional[str] = Opt(None, help="Comma-separated: hf, hf-lookup, none, recycling, recycling-static, ngram, heads, heads-2pass, all, all-2pass, all-b2..b16."),
+    methods: Optional[str] = Opt(None, help="Comma-separated: llama.cpp, llama.cpp-lookup, hf, hf-lookup, none, recycling, recycling-static, ngram, heads, heads-2pass, all, all-2pass, all-b2..b16."),
     settings: str = Opt("greedy,sample", help="Comma-separated: greedy, sample (penalty on), greedy-nopenalty."),
     prompts: str = Opt("creative", help="Comma-separated workloads (creative, grounded, revision, structured: a brief, a template and a source document from prompts/) or prompt files."),
     tokens: Optional[str] = Opt(None, help="New tokens per run (default 2000; 300 with --quick)."),

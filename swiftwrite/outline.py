@@ -261,6 +261,10 @@ class Plan:
     budgets: list[int]
     headings: list[list[int]]  # forced token ids per section
     pins: list[list[int]]  # ids kept after the prompt past a rebuild, per section
+    # a round continued from an edited document (edits.py): where its sections start in the writer's text, and the
+    # text's length; the rule places headings from there on
+    fixed_starts: list[int] = field(default_factory=list)
+    fixed_length: int = 0
 
     @classmethod
     def build(cls, sections: list[Section], budgets: list[int], encode) -> Plan:
@@ -275,7 +279,8 @@ class Plan:
     def to_json(self) -> dict:
         return {"sections": [{"title": s.title, "notes": s.notes, "budget": b, "asked": s.budget, "level": s.level,
                               "heading_ids": h, "pin_ids": p}
-                             for s, b, h, p in zip(self.sections, self.budgets, self.headings, self.pins)]}
+                             for s, b, h, p in zip(self.sections, self.budgets, self.headings, self.pins)],
+                **({"edited": {"starts": self.fixed_starts, "length": self.fixed_length}} if self.fixed_starts else {})}
 
     @classmethod
     def from_json(cls, data: dict) -> Plan:
@@ -284,7 +289,8 @@ class Plan:
             raise ValueError("no sections")
         return cls([Section(str(s["title"]), str(s.get("notes", "")), s.get("asked"), int(s.get("level", 2))) for s in secs],
                    [int(s["budget"]) for s in secs], [[int(i) for i in s["heading_ids"]] for s in secs],
-                   [[int(i) for i in s["pin_ids"]] for s in secs])
+                   [[int(i) for i in s["pin_ids"]] for s in secs],
+                   [int(i) for i in data.get("edited", {}).get("starts", [])], int(data.get("edited", {}).get("length", 0)))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -338,9 +344,10 @@ class Schedule:
         return hi - n, self.enders
 
     def replay(self, tokens: list[int]) -> None:
-        """Rebuild `starts` from a run's tokens (resume), checking every heading is where the rule puts it."""
-        self.starts = []
-        n = 0
+        """Rebuild `starts` from a run's tokens (resume), checking every heading is where the rule puts it (after
+        an edited round's text: before it, the writer put them)."""
+        self.starts = list(self.plan.fixed_starts)
+        n = self.plan.fixed_length
         while n < len(tokens):  # at len(tokens) the writer asks due() itself
             ids = self.due(tokens, n)
             if ids is None:
@@ -363,6 +370,12 @@ class Schedule:
     def pin_at(self, i: int) -> list[int]:
         """The pinned ids of a context rebuilt at output index i (engine.pin_context)."""
         return self.plan.pins[self.section_at(i)]
+
+
+def heading_title(line: str) -> str | None:
+    """The title of a Markdown heading line, as parse() reads it (None for any other line)."""
+    m = _HEADING.match(line)
+    return _clean(_BUDGET.sub("", m.group(2))) if m else None
 
 
 def is_ender(text: str) -> bool:

@@ -8,6 +8,8 @@ Every round after the first is a directory `rounds/<n>/` in the run directory, w
     tokens.bin   the edited text's token ids: the new round's first tokens
     state.json   the new round's first checkpoint
     round.json   round number, where the edit began (first differing token), lengths
+    outline.json a run with an outline: the round's plan (where the edited text's sections start, budgets
+    outline.md   adjusted to the new length); it replaces the run's for this round on, and the same as Markdown
 
 The round is built in `rounds/.<n>.tmp` and renamed into place (the commit point); only then are the run's own
 tokens.bin, output.txt and state files replaced from it. A kill between the rename and the last replacement is
@@ -32,7 +34,7 @@ def committed(path: Path) -> list[int]:
 
 
 def commit(path: Path, n: int, *, before: list[int], before_text: bytes, edited: str, ids: list[int],
-           state: dict, edit_at: int) -> None:
+           state: dict, edit_at: int, outline: dict | None = None, outline_md: str = "") -> None:
     d = Path(path) / ROUNDS
     d.mkdir(exist_ok=True)
     stage = d / f".{n}.tmp"
@@ -41,7 +43,8 @@ def commit(path: Path, n: int, *, before: list[int], before_text: bytes, edited:
     files = {"before.bin": pack_ids(before), "before.txt": before_text, "edited.txt": edited.encode("utf-8"),
              "tokens.bin": pack_ids(ids), "state.json": json_bytes(state),
              "round.json": json_bytes({"round": n, "edit_at": edit_at, "tokens_before": len(before),
-                                       "tokens_edited": len(ids), "created": now()})}
+                                       "tokens_edited": len(ids), "created": now()}),
+             **({"outline.json": json_bytes(outline), "outline.md": outline_md.encode("utf-8")} if outline else {})}
     for name, data in files.items():
         atomic_write(stage / name, data)
     stage.rename(d / str(n))
@@ -67,6 +70,12 @@ def roll_forward(path: Path, state_round: int, state_name: str, prev_name: str, 
 
 def info(path: Path, n: int) -> dict:
     return json.loads((Path(path) / ROUNDS / str(n) / "round.json").read_text())
+
+
+def outline(path: Path, n: int) -> dict | None:
+    """Round n's outline plan (None: the run's own, or none)."""
+    f = Path(path) / ROUNDS / str(n) / "outline.json"
+    return json.loads(f.read_text()) if n > 1 and f.is_file() else None
 
 
 def edited(path: Path, n: int) -> tuple[str, int]:

@@ -3,7 +3,8 @@
     config.yaml       resolved configuration             written once, at create
     prompt.txt        the prompt as given                written once
     meta.json         fingerprint, prompt ids, format    written once
-    outline.json      the section plan (--outline/--plan) written once; budgets, heading and pinned ids
+    outline.json      the section plan (--outline/--plan) written once; budgets, heading and pinned ids (a later
+                      round's own plan, rounds/<n>/outline.json, takes its place from that round on)
     outline.md        the same outline as Markdown       written once, for people (and --outline again)
     tokens.bin        generated ids, int32 little-endian appended as they come
     output.txt        the decoded text, utf-8            appended as it comes
@@ -187,6 +188,12 @@ class RunDir:
             notes.append(f"{STATE} was unreadable ({why}), so the run continues from {PREV}")
         self._state, self._state_bytes, self.finished = state, raw, state["finished"]
         self.round = state.get("round", 1) if isinstance(state.get("round"), int) else 1
+        if self.outline is not None:
+            try:
+                self.outline = rounds.outline(p, self.round) or self.outline  # a later round's sections start elsewhere
+            except (OSError, ValueError) as e:
+                raise UserError(f"the outline of round {self.round} in {p} is unreadable ({e}); "
+                                "the run cannot be resumed exactly, start a new one.") from e
 
         # Tokens: the document depends on every id, so anything but "longer than recorded" is fatal.
         n_bytes = state["n_tokens"] * 4
@@ -321,8 +328,10 @@ class RunDir:
                 except OSError:
                     pass  # a stale file costs disk space, never text
 
-    def begin_round(self, ids: list[int], edited: str, stats: dict, edit_at: int) -> None:
-        """Continue from `edited` (tokenized as `ids`): commit round n + 1 (rounds.py), then switch to it."""
+    def begin_round(self, ids: list[int], edited: str, stats: dict, edit_at: int, outline: dict | None = None,
+                    outline_md: str = "") -> None:
+        """Continue from `edited` (tokenized as `ids`), with the round's outline plan if the run has one: commit
+        round n + 1 (rounds.py), then switch to it."""
         n, enc = self.round + 1, edited.encode("utf-8")
         state = {"n_tokens": len(ids), "tokens_sha256": sha256(pack_ids(ids)), "text_bytes": len(enc),
                  "text_sha256": sha256(enc), "drafter_sha256": self._state["drafter_sha256"], "stats": stats,
@@ -331,7 +340,7 @@ class RunDir:
             for fh in (self._tokens_fh, self._text_fh):
                 fh.flush()
             rounds.commit(self.path, n, before=self.tokens, before_text=(self.path / TEXT).read_bytes()[:self._text_bytes],
-                          edited=edited, ids=ids, state=state, edit_at=edit_at)
+                          edited=edited, ids=ids, state=state, edit_at=edit_at, outline=outline, outline_md=outline_md)
         except OSError as e:
             raise self._write_error(e) from e
         for fh in (self._tokens_fh, self._text_fh):

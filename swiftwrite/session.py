@@ -381,6 +381,21 @@ class Session:
         return 0
 
 
+def open_out(path: Path | None, append_text: str | None = None):
+    """The document's destination: standard output, or --out (with `append_text` written first)."""
+    if path is None:
+        return sys.stdout
+    try:
+        fh = open(path, "w", encoding="utf-8")
+    except IsADirectoryError:
+        raise UserError(f"--out {path} is a directory; give a file name.") from None
+    except OSError as e:
+        raise UserError(f"--out {path} cannot be written ({e.strerror}); choose another path.") from None
+    if append_text:
+        fh.write(append_text)
+    return fh
+
+
 def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: outlines.Plan | None, display: Display) -> Session:
     """The window over the model's positions, the weights, the engine and the outline's schedule, for a document
     whose prompt is `prompt_len` tokens: the same for a new run and a resumed one."""

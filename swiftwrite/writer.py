@@ -22,18 +22,19 @@ from pathlib import Path
 import torch
 
 from . import outline as outlines
-from . import ranks, rounds
+from . import ranks
 from .bans import read_ban_file
 from .config import Config
 from .config import resolve as resolve_cfg
 from .devices import pick_device
+from .edits import check_continues, check_not_edited, continue_edited, plan_of, read_edited, rebuilt_text
 from .engine import Engine
-from .errors import UsageError, UserError, read_user_file
+from .errors import UsageError, UserError
 from .loading import Loaded, dry_settings, load_weights, make_window, open_model, suppressed_ids
-from .prompt import TextStream, apply_template, prompt_ids, read_prompt, read_source
+from .prompt import apply_template, prompt_ids, read_prompt, read_source
 from .rundir import RunDir
 from .sampling import Sampler, SamplerSettings
-from .session import RunStats, open_session, plain_int, unpack_state
+from .session import open_out, open_session, plain_int, unpack_state
 from .store import resolve
 from .ui import Display, dtype_name
 from .window import MIN_FREE, Window
@@ -73,20 +74,6 @@ def default_run_dir(brief: str) -> Path:
 # generate / resume
 
 
-def _open_out(path: Path | None, append_text: str | None = None):
-    if path is None:
-        return sys.stdout
-    try:
-        fh = open(path, "w", encoding="utf-8")
-    except IsADirectoryError:
-        raise UserError(f"--out {path} is a directory; give a file name.") from None
-    except OSError as e:
-        raise UserError(f"--out {path} cannot be written ({e.strerror}); choose another path.") from None
-    if append_text:
-        fh.write(append_text)
-    return fh
-
-
 def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Path | None, quiet: bool, no_live: bool,
              stats_json: Path | None) -> int:
     display = Display(Display.choose(quiet, no_live))
@@ -121,7 +108,7 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
         load_weights(lm, display.info)
         sections = plan_outline(cfg, lm, brief, display)
         if cfg.plan_only:
-            fh = _open_out(out_path)
+            fh = open_out(out_path)
             try:
                 fh.write(outlines.render(sections))
                 fh.flush()
@@ -139,7 +126,7 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
                         f"{lm.mcfg.vocab_size} embeddings: tokenizer and weights do not belong together; "
                         "re-download or re-convert the model.")
     session = open_session(cfg, lm, len(ids), plan, display)
-    out = _open_out(out_path)
+    out = open_out(out_path)
     try:
         rd = RunDir.create(path, cfg.to_dict(), text, ids, lm.ref.fingerprint, outline=plan.to_json() if plan else None,
                            outline_md=outlines.render(sections, budgets) if plan else "")
@@ -196,7 +183,7 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
         for w in rd.warnings:
             display.info(w)
         if new_text is not None:
-            return _continue_edited(cfg, rd, edited, new_text, tokens, out_path, force, display, stats_json)
+            return continue_edited(cfg, rd, edited, new_text, tokens, out_path, force, display, stats_json)
         if tokens is not None and tokens < len(rd.tokens):
             raise UsageError(f"--tokens {tokens} is less than the {len(rd.tokens)} tokens already written; give a larger target.")
         complete = len(rd.tokens) >= cfg.tokens
@@ -218,15 +205,9 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
         if complete:
             display.info(f"{run_dir} is already complete ({len(rd.tokens)} tokens); pass --tokens N to write more.")
             if out_path is not None:
-                _open_out(out_path, (rd.path / "output.txt").read_text(encoding="utf-8")).close()
+                open_out(out_path, (rd.path / "output.txt").read_text(encoding="utf-8")).close()
             return 0
-        plan = None
-        if rd.outline is not None:
-            try:
-                plan = outlines.Plan.from_json(rd.outline)
-            except (KeyError, TypeError, ValueError) as e:
-                raise UserError(f"{rd.path / 'outline.json'} is damaged ({e}); the run cannot be resumed exactly, "
-                                "start it again with the same outline.") from None
+        plan = plan_of(rd)
         session = open_session(cfg, lm, len(rd.prompt_ids), plan, display)
         if session.sched:
             try:
@@ -243,7 +224,7 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
         session.start(rd, rd.prompt_ids + rd.tokens)
         display.info(f"resuming {rd.path} at {len(rd.tokens)}/{cfg.tokens} tokens")
         existing = (rd.path / "output.txt").read_text(encoding="utf-8") if out_path is not None else None
-        out = _open_out(out_path, existing)
+        out = open_out(out_path, existing)
         try:
             return session.write(rd, out, stats_json)
         finally:
@@ -251,98 +232,6 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
                 out.close()
     finally:
         rd.close()
-
-
-# ---------------------------------------------------------------------------------------------------------
-# A new round from an edited document (rounds.py keeps the rounds in the run directory)
-
-
-def read_edited(path: Path) -> str:
-    """The edited document's text, or one sentence: missing, not text, empty. Reads nothing else."""
-    data = read_user_file(path, "--edited", "give the document file you edited", unreadable="; check its permissions")
-    if b"\0" in data:
-        raise UserError(f"--edited {path} is not text (it contains NUL bytes); give the edited document as UTF-8 text.")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"--edited {path} is not UTF-8 text (byte {e.start}); save it as UTF-8 and try again.") from None
-    if not text.strip():
-        raise UserError(f"--edited {path} is empty; to start over, start a new run instead.")
-    return text
-
-
-def check_continues(rd: RunDir, path: Path, text: str) -> None:
-    """An edited document continues the run only if it still begins as the run's text did: one that shares not
-    even its first character is another document, better given to a new run as its prompt."""
-    if rd.outline is not None:
-        raise UsageError(f"--edited does not yet continue runs with an outline ({rd.path} has one); "
-                         "start a new run with the edited text in the prompt.")
-    old = (rd.path / "output.txt").read_text(encoding="utf-8", errors="replace")
-    if old and text[:1] != old[:1]:
-        raise UserError(f"--edited {path} no longer shares the beginning of the text in {rd.path}, so it does not "
-                        "continue this run; start a new run with it as the prompt.")
-
-
-def check_not_edited(rd: RunDir, out_path: Path) -> None:
-    """resume --out FILE rewrites FILE with the run's text: refuse when the writer has edited FILE since."""
-    try:
-        mine = out_path.read_text(encoding="utf-8") if out_path.is_file() else None
-    except (OSError, UnicodeDecodeError):
-        mine = None  # unreadable as text: not an edit of ours to protect; check_writable has judged the path
-    run = (rd.path / "output.txt").read_text(encoding="utf-8", errors="replace")
-    if mine is not None and mine and not (run.startswith(mine) or mine.startswith(run)):
-        raise UserError(f"--out {out_path} was edited since the run wrote it, and resuming would overwrite it; "
-                        f"`swiftwrite resume {rd.path} --edited {out_path} --tokens N` continues from your text.")
-
-
-def _continue_edited(cfg: Config, rd: RunDir, edited: Path, text: str, more: int | None, out_path: Path | None,
-                     force: bool, display: Display, stats_json: Path | None) -> int:
-    left = cfg.tokens - len(rd.tokens)
-    if more is None and left <= 0:
-        raise UsageError(f"{rd.path} is complete; pass --tokens N to say how many tokens to add after {edited}.")
-    pick_device(cfg)
-    ref = resolve(cfg.model, log=display.info)
-    if ref.fingerprint != rd.fingerprint and not force:
-        raise UserError(f"{rd.path} was written with another model (fingerprint {rd.fingerprint}, now "
-                        f"{ref.fingerprint}); use --force to continue from the edited text with this one.")
-    lm = open_model(cfg, display, ref)
-    if rd.text_damaged:
-        rd.replace_text(rebuilt_text(rd, lm.tok))
-    ids = [int(i) for i in lm.tok(text, add_special_tokens=False)["input_ids"]]
-    if ids and max(ids) >= lm.mcfg.vocab_size:
-        raise UserError(f"the tokenizer in {lm.ref.path} produced token id {max(ids)}, but the model has only "
-                        f"{lm.mcfg.vocab_size} embeddings; re-download or re-convert the model.")
-    cfg.tokens = len(ids) + (more if more is not None else left)
-    session = open_session(cfg, lm, len(rd.prompt_ids), None, display)
-    for w in session.engine.load_drafter_state(unpack_state(rd.drafter_state())):
-        display.info(w)
-    edit_at = rounds.edit_start(rd.tokens, ids)
-    rd.begin_round(ids, text, {"target": cfg.tokens, "text_pending_tokens": 0, "edit_at": edit_at,
-                               "earlier_processes": RunStats.history_of(rd.stats)}, edit_at)
-    display.info(f"round {rd.round} of {rd.path}: continuing from {edited} ({len(ids)} tokens, edited from token "
-                 f"{edit_at}) to {cfg.tokens} tokens")
-    session.start(rd, rd.prompt_ids + rd.tokens)
-    out = _open_out(out_path, text) if out_path is not None else _append_to(edited)
-    try:
-        return session.write(rd, out, stats_json)
-    finally:
-        out.close()
-
-
-def rebuilt_text(rd: RunDir, tok) -> str:
-    """output.txt from the token ids; from round 2 on, the edited text as the writer left it, then the rest."""
-    if rd.round == 1:
-        return tok.decode(rd.tokens, skip_special_tokens=False)
-    edited, k = rounds.edited(rd.path, rd.round)
-    stream = TextStream(tok, rd.prompt_ids + rd.tokens[:k])
-    return edited + stream.push(rd.tokens[k:]) + stream.flush()
-
-
-def _append_to(path: Path):
-    try:
-        return open(path, "a", encoding="utf-8")
-    except OSError as e:
-        raise UserError(f"--edited {path} cannot be appended to ({e.strerror}); give --out FILE instead.") from None
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ LAYERS = [
     # loading: the model store, device and threads, ranks, model + engine assembled; training heads
     ["store", "devices", "threads", "ranks", "backends", "peers", "loading", "headdata", "train_heads"],
     # the writer (and the bench harness beside it): outlines, a session of the run loop, prompt in, document out
-    ["outline", "session", "writer", "bench"],
+    ["outline", "session", "edits", "writer", "bench"],
     # the command line
     ["cli", "__main__", "__init__"],
 ]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from swiftwrite import outline as ol
+from swiftwrite.edits import continued_plan
 from swiftwrite.engine import Engine, make_sources
 from swiftwrite.errors import UsageError
 from swiftwrite.model import load_lean
@@ -313,3 +314,47 @@ def test_the_panel_and_the_progress_line_show_the_section(capsys):
     assert "section 2/5 'The bottle' 130/400" in capsys.readouterr().err
     Display("plain").update(Progress(500, 2000, 10.0, 500, 450), force=True)
     assert "section" not in capsys.readouterr().err  # runs without an outline: unchanged
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A round continued from an edited text (edits.continued_plan): one character is one token here
+
+
+def edited_plan(text: str, more: int, budgets=(100, 100, 100, 100)):
+    sections = [ol.Section(t) for t in ("The storm", "The bottle", "The reply", "The ship")]
+    plan = ol.Plan(sections, list(budgets), [[1]] * 4, [[2]] * 4)
+    return continued_plan(plan, text, list(range(len(text))), lambda offset: offset, more, "outline.md")
+
+
+def test_an_edited_text_is_in_the_section_of_its_last_heading_and_the_budgets_fit_the_new_length():
+    text = "## The storm\n\n" + "a" * 86 + "\n\n## The bottle\n\n" + "b" * 30  # 102 + 45 characters
+    plan = edited_plan(text, 200)
+    assert plan.fixed_starts == [0, 102] and plan.fixed_length == len(text) == 147
+    assert sum(plan.budgets) == len(text) + 200
+    assert plan.budgets[0] == 102  # a finished section: the length the text gives it
+    # what is left of each budget (100 - 45 for the current section, 100 for the next two) shares the 200, after
+    # the sections to come have their minimum
+    current, later = (plan.budgets[1] - 45) / 55, [(b - ol.MIN_SECTION) / 100 for b in plan.budgets[2:]]
+    assert all(abs(current - x) < 0.03 for x in later), plan.budgets
+    assert all(b >= ol.MIN_SECTION for b in plan.budgets[2:])
+
+
+def test_a_heading_the_writer_typed_starts_its_section_and_a_deleted_one_leaves_its_section_empty():
+    text = "## The storm\n\nabc\n\n## THE REPLY\n\nxyz"  # 'The bottle' is gone; 'The reply' typed in capitals
+    plan = edited_plan(text, 50)
+    at = text.index("## THE REPLY")
+    assert plan.fixed_starts == [0, at, at]
+    assert plan.budgets[1] == 0 and sum(plan.budgets) == len(text) + 50
+
+
+def test_a_text_without_headings_is_the_first_section_and_too_few_tokens_for_the_rest_are_refused():
+    plan = edited_plan("just prose, headings cut", 80)
+    assert plan.fixed_starts == [0] and sum(plan.budgets) == len("just prose, headings cut") + 80
+    with pytest.raises(UsageError, match="--tokens 40 leaves fewer than 16 tokens for each of the 3 sections"):
+        edited_plan("just prose", 40)
+
+
+def test_a_heading_out_of_the_outlines_order_or_not_in_it_is_text():
+    text = "## The storm\n\nabc\n\n## The ship\n\n## An interlude\n\n## The bottle\n\nxyz"
+    plan = edited_plan(text, 100)  # 'The ship' then 'The bottle': the ship is found first, the bottle not after it
+    assert len(plan.fixed_starts) == 4

@@ -9,6 +9,7 @@ outline is one the parser reads back.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 
 import pytest
@@ -170,3 +171,82 @@ def test_plan_writes_the_document_from_its_own_outline(work, tmp_path):
     text = text_of(run)
     at = [text.find(f"## {s.title}\n\n") for s in sections]
     assert at[0] == 0 and at == sorted(at), text
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A round continued from the writer's edit of an outlined document (resume --edited)
+
+MORE = 120
+
+
+def edited_text(text: str) -> str:
+    """The writer's edit: the text cut 60 characters into 'The bottle', a word changed, the next heading typed."""
+    at = text.find("## The bottle\n\n")
+    cut = text[: at + len("## The bottle\n\n") + 60].replace(" the ", " a ", 1)
+    return cut + "\n\n## The reply\n\nThe keeper wrote back at once, and"
+
+
+def round_two(run):
+    plan = ol.Plan.from_json(json.loads((run / "rounds/2/outline.json").read_text()))
+    return plan, json.loads((run / "state.json").read_text())["stats"]["sections"]["starts"]
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_an_edited_round_stays_in_the_section_its_text_ends_in_and_drafting_equals_plain(refs, work, tmp_path, mode):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(work[1])
+    got = {}
+    for draft in ("none", "all"):
+        run, doc = tmp_path / draft, tmp_path / f"{draft}.md"
+        shutil.copytree(refs[mode, draft][0], run)
+        (run / "lock").unlink()
+        edited = edited_text(text_of(run))
+        doc.write_text(edited, encoding="utf-8")
+        proc = sw("resume", run, "--edited", doc, "--tokens", MORE, "--quiet", env=env(work), cwd=work[0])
+        assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+        text, tokens = doc.read_text(encoding="utf-8"), read_tokens(run)
+        assert text.startswith(edited) and text == text_of(run)
+        plan, starts = round_two(run)
+        assert len(tokens) == plan.fixed_length + MORE == sum(plan.budgets)
+        # sections 1-3 start where the edited text has them (3: the heading the writer typed), 4 where the rule puts it
+        assert starts[:3] == plan.fixed_starts and len(starts) == 4 and starts[3] > plan.fixed_length
+        typed = edited.find("## The reply")
+        assert len(tok.decode(tokens[: starts[2]])) <= typed < len(tok.decode(tokens[: starts[2] + 1]))
+        assert text.count("## The reply") == 1 and text.count("## The ship") == 1 and text.find("## The ship") > len(edited)
+        end = sum(plan.budgets[:3])  # the section being written ends on its adjusted budget (within the grace)
+        assert end <= starts[3] <= end + ol.GRACE_MAX, (starts, plan.budgets)
+        got[draft] = tokens
+    assert got["all"] == got["none"]
+
+
+def test_a_sigkill_inside_an_edited_outlined_round_resumes_to_the_same_bytes(refs, work, tmp_path):
+    runs = {}
+    for name in ("ref", "killed"):
+        runs[name] = run = tmp_path / name
+        shutil.copytree(refs["greedy", "all"][0], run)
+        (run / "lock").unlink()
+        (tmp_path / f"{name}.md").write_text(edited_text(text_of(run)), encoding="utf-8")
+    proc = sw("resume", runs["ref"], "--edited", tmp_path / "ref.md", "--tokens", MORE, "--quiet", env=env(work),
+              cwd=work[0])
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    killed = runs["killed"]
+    (tmp_path / "proc").mkdir()
+    bg = Background(tmp_path / "proc", ["resume", killed, "--edited", tmp_path / "killed.md", "--tokens", MORE, "--quiet"],
+                    env=env(work, SWIFTWRITE_SLOW_CHECKPOINT="0.3"))
+
+    def inside_the_round() -> bool:
+        try:
+            state = json.loads((killed / "state.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return state.get("round") == 2 and state["stats"].get("tokens", 0) >= 16  # two chunks of the round written
+    wait_for(inside_the_round, bg.proc)
+    bg.proc.send_signal(signal.SIGKILL)
+    rc, _, err = bg.finish()
+    assert rc == -signal.SIGKILL, err
+    proc = sw("resume", killed, "--quiet", env=env(work), cwd=work[0])
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    assert read_tokens(killed) == read_tokens(runs["ref"])
+    assert text_of(killed) == text_of(runs["ref"]) == (tmp_path / "ref.md").read_text(encoding="utf-8")
+    assert round_two(killed)[1] == round_two(runs["ref"])[1]

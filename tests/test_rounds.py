@@ -21,7 +21,8 @@ from swiftwrite.model import load_lean
 from swiftwrite.rundir import RunDir
 from swiftwrite.sampling import Sampler
 from swiftwrite.window import Window
-from swiftwrite.writer import check_not_edited, rebuilt_text, resume
+from swiftwrite.edits import check_not_edited, rebuilt_text
+from swiftwrite.writer import resume
 from tiny_lossless import CONTEXT, DRAFTS, SETTINGS, VOCAB, prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
