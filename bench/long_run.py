@@ -13,12 +13,18 @@ directory, then report it per segment, and measure plain decoding against specul
 3. Side by side, in this process, on the run's own history at --probe positions: --probe-tokens tokens with
    `--draft none` and with `--draft all`, each checked token for token against what the run wrote. Their
    ratio, measured in one process at the same context, is what estimates plain decoding's total time.
+4. With --peer: llama.cpp (llama-cpp-python's library, the same GGUF) on the run's prompt ids and sampling
+   settings for as many tokens, going past its context as its command-line tool's --context-shift does
+   (peers.llamacpp_long), in a child process afterwards: its timed loop's seconds (the prompt's prefill outside,
+   as the run's generation seconds leave it out), context shifts, peak memory, quality per segment;
+   `seconds_vs_llamacpp` is the run's generation seconds over its.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -157,6 +163,38 @@ def probe(run: Path, at: list[int], n: int) -> list[dict]:
     return rows
 
 
+def peer(run: Path, size: int) -> dict:
+    """llama.cpp on the run's own prompt ids, model and sampling settings, for as many tokens, going past its
+    context as its command-line tool does (peers.llamacpp_long), in a child process of its own (its peak memory its
+    own, and alone on the CPU): seconds, tokens/s, context shifts, and the quality of its text per segment."""
+    proc = subprocess.run([sys.executable, __file__, "--peer-child", str(run), "--segment", str(size)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"long_run: the llama.cpp peer failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout)
+
+
+def peer_child(run: Path, size: int) -> None:
+    from swiftwrite.backends import gguf_path
+    from swiftwrite.config import Config
+    from swiftwrite.peers import llamacpp_long, load_llamacpp
+    from swiftwrite.store import resolve
+
+    with RunDir.open(run) as rd:
+        prompt, n, conf = list(rd.prompt_ids), len(rd.tokens), dict(rd.config)
+    cfg = Config(**{k: v for k, v in conf.items() if k in Config.__dataclass_fields__})
+    context = cfg.context or json.loads((resolve(cfg.model).path / "config.json").read_text())["max_position_embeddings"]
+    llm = load_llamacpp(gguf_path(resolve(cfg.model).path), cfg.threads or os.cpu_count(), context)
+    setting = {"temperature": cfg.temperature, "min_p": cfg.min_p, "penalty": cfg.penalty}
+    secs, toks, shifts = llamacpp_long(llm, prompt, n, setting, last_n=cfg.penalty_window)
+    segs = [{"from": a, "to": min(a + size, n), "longest_repeat": longest_repeat(toks[a : a + size]),
+             **distinct(toks[a : a + size])} for a in range(0, n, size)]
+    print(json.dumps({"context": context, "settings": setting, "penalty_window": cfg.penalty_window,
+                      "tokens": n, "seconds": round(secs, 1), "tokens_per_second": round(n / secs, 2),
+                      "context_shifts": shifts, "peak_rss_mib": round((common.peak_rss_bytes() or 0) / 2**20),
+                      "whole_text": {"longest_repeat": longest_repeat(toks), **distinct(toks)}, "segments": segs}))
+
+
 def plot(report: dict, run: Path, png: Path) -> bool:
     """Tokens/s and tokens per forward per segment, and resident memory at every checkpoint."""
     try:
@@ -201,13 +239,18 @@ def main():
     ap.add_argument("--segment", type=int, default=10_000)
     ap.add_argument("--probe", default="", help="comma-separated history lengths for the side-by-side plain/speculative probe")
     ap.add_argument("--probe-tokens", type=int, default=500)
+    ap.add_argument("--peer", action="store_true", help="then llama.cpp on the same prompt and settings, as many tokens")
+    ap.add_argument("--peer-child", type=Path, help=argparse.SUPPRESS)  # the llama.cpp child (peer)
     ap.add_argument("extra", nargs="*", help="more `swiftwrite generate` options, after --")
     a = ap.parse_args()
+    if a.peer_child:
+        return peer_child(a.peer_child, a.segment)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     procs = write(a)
     segs = segments(a.run, a.segment)
     probes = probe(a.run, [int(x) for x in a.probe.split(",") if x], a.probe_tokens) if a.probe else []
     total_s = sum(s["seconds"] for s in segs)
+    llama = peer(a.run, a.segment) if a.peer else None
     report = {
         "started": started, "machine": common.machine(), "run": str(a.run), "prompt": a.prompt, "template": a.template,
         "tokens": a.tokens, "generate_options": a.extra, "processes": procs,
@@ -216,6 +259,7 @@ def main():
         "whole_text": whole_text(a.run), "segments": segs, "probes": probes,
         "plain_estimate_seconds": (round(total_s * sum(p["speedup"] for p in probes) / len(probes), 1) if probes else None),
         "plain_estimate_note": "total speculative time x the mean speedup measured side by side at the probe positions",
+        **({"llamacpp": llama, "seconds_vs_llamacpp": round(total_s / llama["seconds"], 3)} if llama else {}),
     }
     common.write_report(a.out, report)
     plot(report, a.run, a.out.with_suffix(".png"))

@@ -316,4 +316,6 @@ def test_min_p_in_numpy_equals_min_p_in_torch():
         probs = torch.softmax(logits, dim=-1)
         for scale in (0.1, 0.05, 0.37):
             want = logits.masked_fill(probs < scale * probs.max(-1, keepdim=True).values, float("-inf"))
-            assert torch.equal(sampling._drop_below(logits, probs, scale), want)
+            got = logits.clone()
+            sampling._drop_below(got, probs, scale)
+            assert torch.equal(got, want)
