@@ -167,7 +167,8 @@ def peer(run: Path, size: int) -> dict:
     """llama.cpp on the run's own prompt ids, model and sampling settings, for as many tokens, going past its
     context as its command-line tool does (peers.llamacpp_long), in a child process of its own (its peak memory its
     own, and alone on the CPU): seconds, tokens/s, context shifts, and the quality of its text per segment."""
-    proc = subprocess.run([sys.executable, __file__, "--peer-child", str(run), "--segment", str(size)],
+    proc = subprocess.run([sys.executable, __file__, "--run", str(run), "--out", os.devnull, "--segment", str(size),
+                           "--peer-child"],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"long_run: the llama.cpp peer failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -240,11 +241,11 @@ def main():
     ap.add_argument("--probe", default="", help="comma-separated history lengths for the side-by-side plain/speculative probe")
     ap.add_argument("--probe-tokens", type=int, default=500)
     ap.add_argument("--peer", action="store_true", help="then llama.cpp on the same prompt and settings, as many tokens")
-    ap.add_argument("--peer-child", type=Path, help=argparse.SUPPRESS)  # the llama.cpp child (peer)
+    ap.add_argument("--peer-child", action="store_true", help=argparse.SUPPRESS)  # the llama.cpp child (peer)
     ap.add_argument("extra", nargs="*", help="more `swiftwrite generate` options, after --")
     a = ap.parse_args()
     if a.peer_child:
-        return peer_child(a.peer_child, a.segment)
+        return peer_child(a.run, a.segment)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     procs = write(a)
     segs = segments(a.run, a.segment)

@@ -67,8 +67,8 @@ def llamacpp_long(llm, ids: list[int], n: int, setting: dict, last_n: int = 256)
         lib.llama_memory_clear(mem, True)
         body = ids[:-1]  # the prompt but its last token (the first step's input), untimed
         for a in range(0, len(body), llm.n_batch):
-            part = body[a : a + llm.n_batch]
-            if lib.llama_decode(ctx, lib.llama_batch_get_one((lib.llama_token * len(part))(*part), len(part))) != 0:
+            part = (lib.llama_token * len(body[a : a + llm.n_batch]))(*body[a : a + llm.n_batch])  # kept alive:
+            if lib.llama_decode(ctx, lib.llama_batch_get_one(part, len(part))) != 0:  # the batch only points at it
                 raise RuntimeError("llama_decode failed on the prompt")
         for t in ids[-last_n:]:
             lib.llama_sampler_accept(chain, t)  # the penalty's window starts with the prompt's end, as in generate()
