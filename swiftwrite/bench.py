@@ -197,7 +197,16 @@ def run(methods: list[str], settings: list[str], prompts: list[str], tokens: int
     validate(methods, settings, repeats, tokens, out)
     check_workloads(prompts)
     display = Display("quiet")
-    lm = loading.load(Config(model=model), display)
+    lm = loading.open_model(Config(model=model), display)  # tokenizer and shape: the prompts are checked first
+    prompt_ids, text_start = {}, {}
+    for p in prompts:
+        ids, start = workload_ids(lm.tok, p)
+        if len(ids) + tokens > lm.mcfg.max_positions:
+            raise UsageError(f"{p} ({len(ids)} tokens) plus {tokens} new tokens does not fit the model's "
+                             f"{lm.mcfg.max_positions} positions; use fewer --tokens.")
+        name = p if p in WORKLOADS else Path(p).name
+        prompt_ids[name] = ids
+        text_start[name] = start
     hf = None
     if any(m.startswith("hf") for m in methods):
         keep_float_copy(lm.ref.path)  # transformers reads safetensors: a GGUF store model's float copy
@@ -208,15 +217,7 @@ def run(methods: list[str], settings: list[str], prompts: list[str], tokens: int
         if gguf is None:
             raise UsageError(f"{method} runs the model's GGUF, and {lm.ref.path} holds none; leave it out of --methods.")
         llamas[method] = None  # loaded below, once the prompts' lengths are known
-    prompt_ids, text_start = {}, {}
-    for p in prompts:
-        ids, start = workload_ids(lm.tok, p)
-        if len(ids) + tokens > lm.model.cfg.max_positions:
-            raise UsageError(f"{p} ({len(ids)} tokens) plus {tokens} new tokens does not fit the model's "
-                             f"{lm.model.cfg.max_positions} positions; use fewer --tokens.")
-        name = p if p in WORKLOADS else Path(p).name
-        prompt_ids[name] = ids
-        text_start[name] = start
+    loading.load_weights(lm, display.info)
     context = max(len(ids) for ids in prompt_ids.values()) + tokens + 16
     for method in llamas:
         llamas[method] = load_llamacpp(gguf_path(lm.ref.path), torch.get_num_threads(), context,

@@ -99,9 +99,9 @@ class Sampler:
         derived from `anc` when not given; `excluded`: ids the root's row may not choose (banned phrases start
         there: removed like end-of-text, before the filters). Returns float logits [n, vocab] (a new tensor)."""
         s = self.s
-        # One copy, then every step in place: each pass over 49,152 logits costs ~20-40 us just after a forward has
-        # evicted them from the caches (a copy per step was ~0.3 ms of a 13 ms step). The copy is an ordinary tensor
-        # even from inference-mode logits, so the in-place steps work outside inference mode too.
+        # One copy, then every step in place: right after a forward has evicted the caches, each pass over the
+        # vocabulary costs several times its warm figure. The copy is an ordinary tensor even from inference-mode
+        # logits, so the in-place steps work outside inference mode too.
         # On the CPU the steps up to the temperature run in numpy on the same memory: the same IEEE operations on
         # float32 (tested), at a fraction of torch's per-call cost, which is most of what these few-id steps cost.
         logits = logits.clone(memory_format=torch.contiguous_format)  # a model's rows may be a strided view
@@ -182,7 +182,7 @@ class Sampler:
     def noise_at(self, position: int, ids: np.ndarray) -> torch.Tensor:
         """The entries `ids` (ascending) of noise(position), bit for bit, without drawing the rest: the generator
         jumps over the ids between (PCG64 advances in O(log n)), so the handful of candidates min-p leaves costs
-        microseconds where a draw over the vocabulary costs ~0.4 ms."""
+        a few dozen generator calls instead of a draw over the whole vocabulary."""
         bits = np.random.PCG64(np.random.SeedSequence([self.s.seed & 0xFFFFFFFFFFFFFFFF, position]))
         # padded so the element-wise ops below run on whole vectors, as they do over a vocabulary
         u = np.full(-(-max(len(ids), 1) // NOISE_PAD) * NOISE_PAD, 0.5)
@@ -210,8 +210,8 @@ class Sampler:
 
     def _choose_among(self, processed: torch.Tensor, pos: list[int], live: np.ndarray) -> torch.Tensor:
         """choose() where the filters left few candidates (`live`: their flat indices, ascending): the same sums at
-        those ids, the same first maximum. (Flat indices: numpy's 2-D nonzero takes ~75 us over one row of
-        49,152 here, flatnonzero ~6.)"""
+        those ids, the same first maximum. (Flat indices: numpy's 2-D nonzero is several times slower over one
+        row than flatnonzero.)"""
         rows, ids_np = np.divmod(live, processed.shape[1])  # row-major: each row's ids ascending
         bounds = np.searchsorted(rows, np.arange(len(pos) + 1)).tolist()
         score = processed[torch.from_numpy(rows), torch.from_numpy(ids_np)]
@@ -228,8 +228,8 @@ NOISE_PAD = 64  # a multiple of every CPU vector width torch uses for float64 (a
 
 
 def _numpy_view(x: torch.Tensor) -> bool:
-    """Whether x can be read as a numpy array in place. On the CPU numpy's compares and fills run 5-10x faster
-    than torch's kernels with boolean results (~35 us against ~3 over 49,152 logits), with the same bits."""
+    """Whether x can be read as a numpy array in place. On the CPU numpy's compares and fills over one row of
+    logits cost a fraction of torch's kernels with boolean results (seen in a scratch timing), with the same bits."""
     return x.device.type == "cpu" and x.dtype == torch.float32
 
 
