@@ -16,6 +16,13 @@ def tree_kernel():
     return tree_attention
 
 
+def norm_kernel():
+    """kernels/rms_norm.py, RMSNorm one row per program; with the tree kernel, for exact models (it imports triton)."""
+    from .kernels import rms_norm  # heavy optional dependency: triton
+
+    return rms_norm
+
+
 def flash_kernel():
     """flash-attn's `flash_attn_func`, or None where flash-attn is not installed."""
     try:

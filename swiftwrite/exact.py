@@ -151,9 +151,37 @@ def tree_probe(model, prefix: int = 12) -> str | None:
     return None
 
 
+@torch.inference_mode()
+def chain_probe(model, n: int = MAX_ROWS, prefix: int = 200) -> str | None:
+    """An n-token chain verified as one tree after a `prefix`-token prefill, against the same tokens decoded one at
+    a time: None when every node's logits are the same bits, else a sentence. The 6-node probe missed what this
+    finds on a GPU: on an H200 in bfloat16, torch's RMSNorm summed a row in another order among 64 rows (node 20
+    of a 64-node chain differed; speculative output left plain output at token 72 of 500), which
+    kernels/rms_norm.py now removes by construction."""
+    n = min(n, model.cfg.max_positions // 2)
+    prefix = min(prefix, model.cfg.max_positions - n)
+    g = torch.Generator().manual_seed(1)
+    dev = model.device
+    ids = torch.randint(0, model.cfg.vocab_size, (prefix + n,), generator=g).to(dev)
+    cache = model.new_cache(prefix + n + 1)
+    model.forward(ids[:prefix], torch.arange(prefix, device=dev), cache)
+    cache.length = prefix
+    mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
+    together, _ = model.forward(ids[prefix:], torch.arange(prefix, prefix + n, device=dev), cache, mask=mask)
+    for i in range(n):
+        alone, _ = model.forward(ids[prefix + i : prefix + i + 1], torch.arange(prefix + i, prefix + i + 1, device=dev),
+                                 cache)
+        cache.length += 1
+        if not torch.equal(alone[0], together[i]):
+            return f"a tree node's logits differ from the same token decoded alone (node {i} of a {n}-node probe chain)"
+    return None
+
+
 def check(model) -> str | None:
     """Set up `model` for exact trees (the product piece sizes) and check it: None, or why drafts could change the
-    text on this machine."""
+    text on this machine. On a GPU also a chain as long as the largest tree (~1 s): CUDA kernels choose their
+    launch shape, and with it a sum's order, by the row count, which a small tree does not reach. On a CPU, where
+    it would add seconds to each start, the lossless tests run trees of every size through the same kernels."""
     lean = getattr(model, "model", model)  # the LeanModel inside a graphs.GraphedModel: its static forward reads it
     lean.rows, why = plan_rows(model)
-    return why or tree_probe(model)
+    return why or tree_probe(model) or (chain_probe(model) if torch.device(model.device).type == "cuda" else None)

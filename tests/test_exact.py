@@ -147,6 +147,21 @@ def test_the_tree_probe_passes_here_and_catches_attention_whose_rows_depend_on_t
     assert "differ from the same token decoded alone" in exact.tree_probe(bf16)
 
 
+def test_the_chain_probe_passes_here_and_catches_a_norm_whose_rows_depend_on_the_row_count(bf16, monkeypatch):
+    """What the 6-node probe missed on an H200: a sum whose order follows the row count only from some count on
+    (there torch's RMSNorm, among 64 rows). A long chain against single steps sees it."""
+    assert exact.chain_probe(bf16) is None
+    real = bf16.norm
+
+    def drifting(x, w, eps):  # exact up to 16 rows, then each row's scale carries the count in its last bits
+        y = real(x, w, eps)
+        return y * (1 + 1e-2 * x.shape[-2]) if x.shape[-2] > 16 else y  # [n, hidden] or q/k's [heads, n, D]
+
+    monkeypatch.setattr(bf16, "norm", drifting)
+    assert exact.tree_probe(bf16) is None  # 6 nodes never reach the count
+    assert "of a 64-node probe chain" in exact.chain_probe(bf16)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Lossless in bfloat16
 

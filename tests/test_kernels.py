@@ -13,8 +13,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="the tree kernel needs triton (pip install -e '.[test]')")
 
+from swiftwrite.kernels import rms_norm as norm_kernel  # noqa: E402
 from swiftwrite.kernels import tree_attention as ta  # noqa: E402
 from swiftwrite.model import attention, load_lean  # noqa: E402
+from swiftwrite.ops import rms_norm  # noqa: E402
 from swiftwrite.tree import DraftTree  # noqa: E402
 from tiny import tiny_hf_model  # noqa: E402
 
@@ -213,3 +215,32 @@ def test_ancestry_paths_list_each_nodes_path_in_depth_order():
     chain = torch.ones(64, 64, dtype=torch.bool).tril()  # all 64 bits, the last one the sign bit
     paths, counts = ta.ancestry_paths(ta.ancestry_bits(chain))
     assert counts[63] == 64 and paths[63].tolist() == list(range(64))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_the_norm_kernel_gives_a_row_its_bits_among_any_number_of_rows_and_matches_torch(dtype):
+    """kernels/rms_norm.py: one program per row, so a row among n rows is the row alone, bit for bit (the property
+    a tree's rows rest on where torch's CUDA reduction changes its order with the count); its values are torch's
+    RMSNorm to within the last bit of the dtype; a strided [heads, n, D] input (q/k norms) keeps its shape."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(40, 96, generator=g) * 3).to(dtype)
+    w = (torch.rand(96, generator=g) + 0.5).to(dtype)
+    alone = torch.cat([norm_kernel.rms_norm(r, w, 1e-5) for r in x.split(1)])
+    for n in (2, 3, 17, 40):
+        assert torch.equal(torch.cat([norm_kernel.rms_norm(p, w, 1e-5) for p in x.split(n)]), alone), n
+    want = rms_norm(x, w, 1e-5).float()
+    # relative to the value: a unit in the last place is at most 2^-7 of it in bfloat16, 2^-10 in float16, 2^-23 in
+    # float32. bfloat16 gets two: Triton's interpreter truncates float32 to bfloat16 (a GPU rounds to nearest even,
+    # as asked) and the norm rounds twice. float32: a few, from another order of the sum and another rsqrt
+    rel = {torch.bfloat16: 2**-6, torch.float16: 2**-9, torch.float32: 2**-20}[dtype]
+    assert ((alone.float() - want).abs() <= rel * want.abs()).all()
+    heads = x[:36].view(12, 3, 96)[:, :, :32].transpose(0, 1)  # [3, 12, 32], not contiguous
+    y = norm_kernel.rms_norm(heads, w[:32], 1e-5)
+    assert y.shape == heads.shape and torch.equal(y, torch.stack([norm_kernel.rms_norm(h.contiguous(), w[:32], 1e-5) for h in heads]))
+
+
+def test_an_exact_model_with_the_tree_kernel_normalises_with_the_kernel_and_others_with_torch(tmp_path):
+    path, _ = tiny_hf_model("llama", out_dir=tmp_path)
+    assert load_lean(path, dtype=torch.bfloat16, attention="triton").norm is norm_kernel.rms_norm
+    assert load_lean(path, dtype=torch.float32, attention="triton").norm is rms_norm  # float32: not exact_rows
+    assert load_lean(path, dtype=torch.bfloat16, attention="torch").norm is rms_norm
