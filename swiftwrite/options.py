@@ -104,7 +104,8 @@ OPTIONS: tuple[Option, ...] = (
     # which attention kernels the forward uses
     Option("attention", str, "auto", "NAME", "auto | torch | triton | flash (GPU kernels; default auto)."),
     # replay the verification and decoding forwards from CUDA graphs (trees padded to 1, 2, 4 .. 64 nodes);
-    # CUDA with the Triton kernel only. Off by default until a GPU run shows it pays (bench/gpu_check.sh)
+    # CUDA with the Triton kernel only. Off by default: on an H200 it halved a forward at 2K context and lost at
+    # 8K, where single steps walk the cache in one program per head (docs/results/gpu.md)
     Option("cuda_graphs", bool, False, "", "Replay verification forwards from CUDA graphs (GPU)."),
     # torch CPU threads; 0 = torch's default, lowered while other processes keep cores busy and raised again
     # after, through counts a probe shows give the same bits (threads.py); N fixes the count
