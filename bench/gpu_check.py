@@ -176,12 +176,13 @@ def reassemble(model_dir: Path, work: Path) -> Path:
     return out
 
 
-def random_model(work: Path, layers: int) -> Path:
+def random_model(work: Path, layers: int, vocab: int = DEFAULT_SHAPE["vocab_size"]) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = work / "random-smollm2-shape"
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**{**DEFAULT_SHAPE, "num_hidden_layers": layers})).save_pretrained(str(path))
+    LlamaForCausalLM(LlamaConfig(**{**DEFAULT_SHAPE, "num_hidden_layers": layers, "vocab_size": vocab})).save_pretrained(
+        str(path))
     return path
 
 
@@ -361,6 +362,9 @@ def main():
     ap.add_argument("--cost-sizes", default="1,2,4,8,16,32,64", help="tree sizes of the forward-cost table")
     ap.add_argument("--random-layers", type=int, default=DEFAULT_SHAPE["num_hidden_layers"],
                     help="layers of the random stand-in (fewer: a quick CPU check of the script)")
+    ap.add_argument("--random-vocab", type=int, default=DEFAULT_SHAPE["vocab_size"],
+                    help="vocabulary of the random stand-in (smaller: a quicker CPU check; the LM head's start-up "
+                         "measurements dominate it)")
     ap.add_argument("--short", type=int, default=2000)
     ap.add_argument("--long", type=int, default=32000)
     ap.add_argument("--equal-tokens", type=int, default=500)
@@ -399,7 +403,7 @@ def main():
     if a.invariance_only:  # the half-precision section alone, equality and its row-invariance table
         with section(report, "load", a.out, t_start):
             model = reassemble(a.model_dir, work) if a.model_dir and a.model_dir.exists() else random_model(
-                work, a.random_layers)
+                work, a.random_layers, a.random_vocab)
             report["weights"] = "real" if a.model_dir else f"RANDOM, {a.random_layers} layers"
         half_section(a, report, model, t_start)
         report["complete"] = True
@@ -416,7 +420,7 @@ def main():
         report["weights"] = "real" if model else f"RANDOM, {a.random_layers} layers (acceptance and drafting speed mean nothing)"
         if model is None:
             log("no model directory: a random-weight model of the default model's shape")
-            model = random_model(work, a.random_layers)
+            model = random_model(work, a.random_layers, a.random_vocab)
         lm, display = load(model, a.device, a.dtype, a.attention)
         report["model"] = str(model)
         report["attention"] = {"tree_kernel": lm.model.gpu.tree is not None,

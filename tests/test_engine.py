@@ -507,13 +507,15 @@ def real(default_model_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setting_id", list(REAL_SETTINGS))
-@pytest.mark.parametrize("draft_id", ["recycling", "ngram", "all"])
-def test_real_model_speculative_equals_plain(real, draft_id, setting_id):
+def test_real_model_speculative_equals_plain(real, setting_id):
+    """Every source in one tree (the default, `all`) on the real model. Each source alone, every budget and
+    setting are the tiny models' tests above; here each source alone cost CI ~35 s a case for what `all`,
+    whose tree holds all three, already shows."""
     model, prompt, reference = real
-    names, static = DRAFTS[draft_id]
+    names, static = DRAFTS["all"]
     got, steps = generate(model, prompt, REAL_SETTINGS[setting_id], names, static, budget=REAL_BUDGET, n=REAL_N,
                           context=2048)
     assert_lossless(got, reference(setting_id))
-    # Measured: recycling accepts 20-50 drafts in these 300 tokens; the n-gram table, with the penalty on and
-    # little text yet written, 5-8.
-    assert_drafts_accepted(steps, min_share=0.01 if draft_id == "ngram" else 0.05, min_longest=2)
+    # Measured: recycling alone accepts 20-50 drafts in these 300 tokens; the n-gram table alone, with the penalty
+    # on and little text yet written, 5-8.
+    assert_drafts_accepted(steps, min_share=0.05, min_longest=2)

@@ -270,9 +270,8 @@ def test_default_model_in_bfloat16_speculative_equals_plain(real_bf16, sampler):
     lm, ids = real_bf16
     ref, plain_steps = real_run(lm, ids, sampler, draft="none")
     assert sum(s.rebuilt for s in plain_steps) >= 3
-    for draft in (dict(draft="all", budget="8"), dict(draft="all")):
-        got, steps = real_run(lm, ids, sampler, **draft)
-        first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
-        assert first is None and len(got) == REAL_N, f"{draft}: differs from plain decoding at token {first}"
-        if draft.get("budget"):
-            assert REAL_N - len(steps) >= 10, f"{draft}: only {REAL_N - len(steps)} drafted tokens: the test proves little"
+    # a fixed budget: the automatic one rests on this CPU, and a run that drafts nothing proves nothing
+    got, steps = real_run(lm, ids, sampler, draft="all", budget="8")
+    first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+    assert first is None and len(got) == REAL_N, f"differs from plain decoding at token {first}"
+    assert REAL_N - len(steps) >= 10, f"only {REAL_N - len(steps)} drafted tokens: the test proves little"
