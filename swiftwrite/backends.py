@@ -170,8 +170,16 @@ def step_ms(model) -> float:
     return 1e3 * sorted(times[8:])[len(times[8:]) // 2]
 
 
+def torch_capability() -> str:
+    """The vector extension torch's CPU kernels run with: the CPU's best unless ATEN_CPU_CAPABILITY lowers it (how an
+    AVX2 machine's torch speed is measured on an AVX-512 one)."""
+    get = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    return get() if get else "unknown"
+
+
 def _key(model_dir: Path, threads: int) -> str:
-    return f"{fingerprint(Path(model_dir))}/{threads}t/{'-'.join(cpu_extensions())}"
+    # the torch side's timing follows its kernels' extension, which ATEN_CPU_CAPABILITY can set below the CPU's
+    return f"{fingerprint(Path(model_dir))}/{threads}t/{'-'.join(cpu_extensions())}/torch-{torch_capability()}"
 
 
 def _path() -> Path:

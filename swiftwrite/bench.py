@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .backends import cpu_extensions, gguf_path
+from .backends import cpu_extensions, gguf_path, torch_capability
 from . import loading, prompt
 from .config import Config
 from .hf import transformers
@@ -152,7 +152,8 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "isa": cpu_extensions(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpu": cpu, "isa": cpu_extensions(), "torch_kernels": torch_capability(), "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "python": platform.python_version(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
@@ -341,7 +342,8 @@ def markdown(report: dict) -> str:
                      f"{r['speedup_vs_generate'] or '-'} | {r['mean_tokens_per_forward'] or '-'}{extra} | {acc} | {r['distinct_1']} | "
                      f"{r['distinct_4']} | {r.get('longest_repeat', '-')} | {r.get('peak_rss_mib') or '-'} | {r['first_divergence_vs_none']} |")
     m = report["machine"]
-    meta = (f"{report['date']}, {m['cpu']} ({'/'.join(m.get('isa') or [])}; {m['cores']} cores, {m['torch_threads']} "
+    meta = (f"{report['date']}, {m['cpu']} ({'/'.join(m.get('isa') or [])}; torch's kernels {m.get('torch_kernels', '?')}; "
+            f"{m['cores']} cores, {m['torch_threads']} "
             f"threads), torch {m['torch']}, model {report['model']} on the {report.get('backend', 'torch')} backend, "
             f"{report['tokens']} new tokens, {report['repeats']} repeat(s), penalty window "
             f"{report['penalty_window']}.\n\n")
