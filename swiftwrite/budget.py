@@ -28,8 +28,8 @@ class CostCurve:
         self.sizes = np.asarray(sizes, dtype=np.float64)
         self.seconds = np.asarray(seconds, dtype=np.float64)
         self.clean = True  # False: measured on a busy machine, kept for this run only
-        # rows[n]: the row count a forward over n tokens really runs (ops.tree_rows on a float32 CPU model, set
-        # by padded()); None: n itself. The curve is measured at sizes the padding keeps, so it holds for both.
+        # rows[n]: the row count a forward over n tokens really runs (ops.row_plan on a float32 CPU model, set
+        # by padded()); None: n itself. A measured size that the plan pads was timed at its padded count.
         self.rows: np.ndarray | None = None
         self._table: np.ndarray | None = None  # cost(1..m), kept: the automatic budget reads it every step
 
@@ -38,9 +38,10 @@ class CostCurve:
             n = self.rows[np.minimum(n, len(self.rows) - 1)]
         return np.interp(n, self.sizes, self.seconds)
 
-    def padded(self, tree_rows) -> "CostCurve":
-        """This curve for a model whose tree forwards run over tree_rows(n) rows (ops.tree_rows)."""
-        self.rows = np.array([tree_rows(n) if n else 0 for n in range(int(self.sizes[-1]) + 1)])
+    def padded(self, plan: list[int]) -> "CostCurve":
+        """This curve for a model whose tree forwards run over plan[n] rows (ops.row_plan)."""
+        top = int(self.sizes[-1])
+        self.rows = np.array([plan[n] if n < len(plan) else n for n in range(top + 1)])
         self._table = None
         return self
 
@@ -112,14 +113,29 @@ def _measure_once(model: Forward, cache: Cache, reps: int, sizes) -> CostCurve:
     return curve
 
 
-def cached_curve(path: Path, key: str, make) -> CostCurve:
-    """The curve stored under `key` in the JSON file `path`, or a fresh measurement stored there."""
+def _read(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
-        data = {}
-    if not isinstance(data, dict):
-        data = {}
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _keep(path: Path, key: str, value) -> None:
+    data = _read(path)
+    data[key] = value
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two processes may write at once
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a cache we cannot write only costs a re-measurement next time
+
+
+def cached_curve(path: Path, key: str, make) -> CostCurve:
+    """The curve stored under `key` in the JSON file `path`, or a fresh measurement stored there."""
+    data = _read(path)
     if key in data:
         try:
             curve = CostCurve.from_dict(data[key])
@@ -128,14 +144,16 @@ def cached_curve(path: Path, key: str, make) -> CostCurve:
         except (KeyError, TypeError, ValueError):
             pass
     curve = make()
-    if not curve.clean:
-        return curve
-    data[key] = curve.to_dict()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two processes may write at once
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass  # a cache we cannot write only costs a re-measurement next time
+    if curve.clean:
+        _keep(path, key, curve.to_dict())
     return curve
+
+
+def cached_plan(path: Path, key: str, make) -> list[int]:
+    """The row plan (ops.row_plan) stored under `key` in the JSON file `path`, or a fresh one stored there."""
+    kept = _read(path).get(key)
+    if isinstance(kept, list) and kept and all(isinstance(m, int) and m >= n for n, m in enumerate(kept)):
+        return kept
+    plan = make()
+    _keep(path, key, plan)
+    return plan

@@ -36,7 +36,7 @@ class Forward(Protocol):
     Optional attributes, read with getattr(model, name, default) where a model may lack them:
       exact_rows: bool = False  a tree's rows are computed to the bits of single steps (exact.py); the loader then
                                 runs exact.check and the heads' drafts go through it (loading.py)
-      pads_trees: bool = False  a tree's products run over ops.tree_rows(n) rows, so the cost curve measures those
+      pads_trees: bool = False  a tree's products run over ops.row_plan's counts, so the cost curve reads them
                                 (loading.py, budget.CostCurve)
       fallback: bool = False    the transformers fallback (hfmodel.HFModel): no multi-token heads (loading.py)
       hidden: bool = True       the hidden states are real (ggmlmodel.GgmlModel: no, so no heads)

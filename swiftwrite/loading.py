@@ -33,7 +33,7 @@ from .hfmodel import config_from, load_hf, weight_files
 from .kvcache import KVCache
 from .model import load_lean
 from .modelconfig import SUPPORTED_ARCHS, ModelConfig, read_hf_config
-from .ops import tree_rows
+from .ops import row_plan, row_times
 from .parallel import check_divides
 from .repetition import DrySettings
 from .sampling import Sampler, SamplerSettings
@@ -338,6 +338,8 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
         if "heads" in names else None
     if heads is None and "heads" in names:
         names.remove("heads")  # "all" without heads for this model: the train-free sources alone
+    if names and getattr(model, "pads_trees", False) and model.row_plan is None:
+        model.row_plan = plan_tree_rows(lm)
     sources, stats = make_sources(names, model.cfg.vocab_size, static_tree=cfg.static_tree, heads=heads)
     fixed = None
     if names and cfg.budget != "auto":
@@ -396,6 +398,23 @@ def load_head_drafter(lm: Loaded, required: bool, display: Display, cfg: Config 
     return TwoPassHeadsDrafter.factory(heads, lm.model, kv_budget)
 
 
+def plan_tree_rows(lm: Loaded) -> list[int]:
+    """The row counts a float32 CPU model's trees run their products over (ops.row_plan): measured once per
+    model, machine and thread count (~4 s for the default model) and kept in the store, like the cost curves.
+    A forward is n_layers times a layer's four products plus the LM head, so that is what is timed."""
+    model = lm.model
+    key = (f"{lm.ref.fingerprint}/{torch.get_num_threads()}t/{'-'.join(backends.cpu_extensions())}"
+           f"/torch-{backends.torch_capability()}")
+
+    def measure() -> list[int]:
+        layer = model.layers[0]
+        per_layer = row_times([layer["wqkv"], layer["wo"], layer["w_gate_up"], layer["w_down"]])
+        head = row_times([model.lm_head])
+        return row_plan([model.cfg.n_layers * a + b for a, b in zip(per_layer, head)])
+
+    return budget_mod.cached_plan(home() / "row_plans.json", key, measure)
+
+
 def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display: Display | None = None,
                upto: int | None = None) -> None:
     """Give an automatic-budget engine its cost curves: measured once per machine and context bucket, cached
@@ -409,8 +428,8 @@ def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display:
     key += f"/w-{lm.weights}" if lm.weights != "float" and lm.backend == "torch" else ""  # quantized products
     key += f"/tp{lm.tp}" if lm.tp > 1 else ""  # a sharded forward costs its products / tp plus the all-reduces
     key += f"/{lm.backend}" if lm.backend != "torch" else ""  # llama.cpp's kernels: another curve
-    # a model whose trees' rows are padded (model.tree_rows): 9 tokens cost it what 16 do
-    padded = getattr(lm.model, "pads_trees", False)
+    # a model whose trees' rows are padded (ops.row_plan): 9 tokens may cost it what 16 do
+    plan = getattr(lm.model, "row_plan", None) if getattr(lm.model, "pads_trees", False) else None
     # llama.cpp cannot run at a scratch length past the committed tokens (its sequences' positions are checked), so
     # a later bucket could only be measured when the run gets there, inside the loop; its one curve, measured at the
     # start, is kept for the whole run instead (the budget compares costs, and the sizes' ratios move little)
@@ -421,7 +440,7 @@ def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display:
         bucket = cache.length // COST_BUCKET if bucketed else 0
         curve = budget_mod.cached_curve(home() / "cost_curves.json", f"{key}/ctx{bucket}",
                                         lambda: budget_mod.measure(lm.model, cache))
-        return curve.padded(tree_rows) if padded else curve
+        return curve.padded(plan) if plan else curve
 
     engine.cost_at = cost_at
     engine.cost = cost_at(engine.cache)

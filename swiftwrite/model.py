@@ -23,7 +23,7 @@ from .config import ATTENTIONS
 from .errors import UserError
 from .kvcache import KVCache
 from .modelconfig import SUPPORTED_ARCHS, ModelConfig, check_positions, read_hf_config
-from .ops import apply_rope, linear, rms_norm, rope_tables, tree_rows
+from .ops import apply_rope, linear, rms_norm, rope_tables
 
 
 class LeanModel:
@@ -43,8 +43,11 @@ class LeanModel:
         # float32 trees run batched: their rows differ in the last bits, observed never to change a token.
         self.exact_rows = bool(quantized) or dtype in (torch.bfloat16, torch.float16)
         self.rows: dict[str, int] | None = None  # product -> piece size for trees, set by exact.check
-        # float32 on a CPU: a tree's products run over a faster row count (tree_rows); the cost curve knows it too
+        # float32 on a CPU: a tree's products may run over a faster row count (ops.row_plan, measured on this
+        # machine and set by loading.py before a run drafts; None: every tree over its own count). The cost curve
+        # reads the same plan
         self.pads_trees = not self.exact_rows and self.device.type == "cpu" and dtype == torch.float32
+        self.row_plan: list[int] | None = None
         get = lambda name: weights[name].to(self.device, dtype)  # noqa: E731
         if quantized:
             self.embed = quantized["embed"]
@@ -168,9 +171,9 @@ class LeanModel:
 
         # trees only: plain and speculative runs prefill alike
         rows = self._exact_rows() if self.exact_rows and tree and (paths is not None or bits is not None) else None
-        # a float32 tree on a CPU: products over a faster row count (tree_rows). Trees only: single steps and
+        # a float32 tree on a CPU: products over a faster row count (row_plan). Trees only: single steps and
         # prefill chunks keep their rows, so plain decoding is what it was.
-        grow = tree_rows(n) if self.pads_trees and tree else 0
+        grow = self.row_plan[n] if self.pads_trees and tree and self.row_plan and n < len(self.row_plan) else 0
         hidden = self._layers(ids, positions, attend, rows, grow)
         return self._logits(hidden, logits_for, rows, grow), hidden
 
@@ -248,7 +251,7 @@ class LeanModel:
     def _layers(self, ids: torch.Tensor, positions: torch.Tensor, attend, rows: dict[str, int] | None = None,
                 grow: int = 0) -> torch.Tensor:
         """Every decoder layer over `ids`; `attend(layer, q, k, v) -> [n, H*D]` stores K/V and attends. `rows`:
-        the products' piece sizes (exact.py) or None; `grow`: the products' padded row count (tree_rows) or 0."""
+        the products' piece sizes (exact.py) or None; `grow`: the products' padded row count (row_plan) or 0."""
         cfg = self.cfg
         n = ids.shape[0]
         H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim

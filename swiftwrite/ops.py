@@ -1,9 +1,10 @@
-"""The lean forward's arithmetic: products (`linear`, with the CPU row tricks and the row policy `tree_rows`),
-RMSNorm and RoPE. Pure functions of tensors; model.py composes them into layers."""
+"""The lean forward's arithmetic: products (`linear`, with the CPU row tricks and the measured row policy
+`row_plan`), RMSNorm and RoPE. Pure functions of tensors; model.py composes them into layers."""
 
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -53,20 +54,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def tree_rows(n: int) -> int:
-    """Rows a float32 tree forward on a CPU runs its products over: n, or a few more zero rows where that is
-    faster. The BLAS kernel behind `linear` is fast at row counts that are multiples of 8 (and at some others)
-    and slow in between: the default model's products per forward over 15 rows cost 106.9 ms, over 16 rows
-    47.3 ms, over 23 rows 112.1 ms, over 24 rows 65.9 ms (bench/row_padding.py, 2026-12-03 10:10 UTC, this 2-core
-    AVX2 machine). So 3 and 7 rows run as 4 and 8, 9..15 as 16, and above 16 the counts that measured slow (n % 8 of
-    3, 5, 6 or 7) as the next multiple of 8; 5, 6, 17, 18 and 20 stay (their padded count cost as much or more)."""
-    if n in (3, 7):
-        return n + 1
-    if 8 < n <= 16:
-        return 16
-    if n > 16 and n % 8 in (3, 5, 6, 7):
-        return n + 8 - n % 8
-    return n
+ROW_PLAN_UPTO = 64  # the largest tree forward (budget.MAX_BUDGET + the root)
+ROW_PLAN_GAIN = 0.9  # pad only where the padded count costs under 90 % of the real one: noise is not a gain
+
+
+def row_times(weights: list[torch.Tensor], upto: int = ROW_PLAN_UPTO, reps: int = 3) -> list[float]:
+    """Seconds `linear` takes over n rows of each of `weights` together, for n = 0..upto (0: 0.0); the best of
+    `reps` passes after a warm-up pass. A float32 CPU BLAS kernel is fast at some row counts and slow at the ones
+    between: the default model's products over 15 rows cost 106.9 ms a forward and over 16 rows 47.3 ms on one
+    2-core AVX2 machine (2026-12-03), and which counts are slow differs between CPUs, so each machine measures its
+    own. The passes alternate direction: measured in one order, the first counts (caches, clocks still warming)
+    read slower than they are, which made 4 rows look dearer than 16."""
+    xs = {n: [torch.randn(n, w.shape[1], generator=torch.Generator().manual_seed(n)).to(w.dtype) for w in weights]
+          for n in range(1, upto + 1)}
+    times = [0.0] + [float("inf")] * upto
+    for p in range(reps + 1):
+        for n in range(1, upto + 1) if p % 2 else range(upto, 0, -1):
+            t = time.perf_counter()
+            for w, x in zip(weights, xs[n]):
+                linear(x, w)
+            if p:  # pass 0 warms up
+                times[n] = min(times[n], time.perf_counter() - t)
+    return times
+
+
+def row_plan(times: list[float], gain: float = ROW_PLAN_GAIN) -> list[int]:
+    """From row_times(): for each n, the row count a tree of n tokens runs its products over. The cheapest count
+    from n up where it costs under `gain` of n's own time (the zero rows added are dropped after: a product has no
+    cross-row terms), else n. Never fewer rows than n, and a planned count plans itself (padding twice changes
+    nothing): the cheapest count from n up is also the cheapest from itself up."""
+    plan = [0]
+    for n in range(1, len(times)):
+        best = min(range(n, len(times)), key=lambda m: (times[m], m))
+        plan.append(best if times[best] < gain * times[n] else n)
+    return plan
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, rows: int | None = None,
@@ -85,7 +106,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, rows
     the pad a decoding step and a tree's node round alike. `rows` (a tree's forward on an exact model, exact.py):
     at most that many rows per product, a count measured to give each row the bits it has in a step.
 
-    `grow` (a float32 tree on a CPU: tree_rows): run the product over that many rows, the real ones first and
+    `grow` (a float32 tree on a CPU: row_plan): run the product over that many rows, the real ones first and
     zeros after, and keep the real ones. Each row's result is its own (a product has no cross-row terms); float32
     trees already differ from single steps in the last bits (see LeanModel.exact_rows), padding or not."""
     if rows is not None and x.shape[0] > rows:

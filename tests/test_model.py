@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from swiftwrite.budget import SIZES, CostCurve
-from swiftwrite.model import linear, load_lean, tree_rows
+from swiftwrite.model import linear, load_lean
+from swiftwrite.ops import row_plan, row_times
 from tiny import tiny_hf_model
 
 ATOL = RTOL = 1e-4  # float32 through 2 layers of width 64: observed differences are ~3e-6
@@ -324,14 +325,30 @@ def test_real_model_greedy_200_tokens_equal_transformers_generate(real):
     assert got == expected
 
 
-def test_tree_rows_only_grow_and_land_on_the_kernels_fast_counts():
-    for n in range(1, 129):
-        m = tree_rows(n)
-        assert n <= m <= n + 7
-        assert m == n or m % 4 == 0  # a padded count is one the kernel is fast at
-        assert tree_rows(m) == m  # padding twice changes nothing
-    assert [tree_rows(n) for n in (1, 2, 4, 5, 6, 8, 16, 32)] == [1, 2, 4, 5, 6, 8, 16, 32]  # the measured sizes keep
-    assert {tree_rows(n) for n in range(9, 17)} == {16}
+# A kernel like the one measured on a 2-core AVX2 machine (2026-12-03): fast at multiples of 8, slow between
+SAWTOOTH = [0.0] + [(1 + n / 8) * (1.0 if n % 8 == 0 else 2.2) for n in range(1, 65)]
+
+
+def test_the_row_plan_only_grows_pads_where_a_count_is_clearly_cheaper_and_plans_itself():
+    plan = row_plan(SAWTOOTH)
+    assert len(plan) == 65 and plan[0] == 0
+    for n in range(1, 65):
+        m = plan[n]
+        assert m >= n and plan[m] == m  # never fewer rows; padding twice changes nothing
+        assert m == n or SAWTOOTH[m] < 0.9 * SAWTOOTH[n]  # a pad is a clear gain, not noise
+        assert SAWTOOTH[m] <= SAWTOOTH[n]
+    assert {plan[n] for n in range(9, 17)} == {16} and plan[8] == 8
+    # a flat kernel, or one whose costs only rise with the rows: nothing is padded
+    assert row_plan([0.0] + [1.0] * 64) == list(range(65))
+    assert row_plan([0.0] + [1.0 + n * 0.01 for n in range(1, 65)]) == list(range(65))
+
+
+def test_row_times_measures_every_count_and_a_real_plan_is_well_formed():
+    torch.manual_seed(0)
+    times = row_times([torch.randn(96, 64), torch.randn(200, 64)], upto=20, reps=1)
+    assert len(times) == 21 and times[0] == 0.0 and all(t > 0 for t in times[1:])
+    plan = row_plan(times)
+    assert all(m >= n and plan[m] == m for n, m in enumerate(plan))
 
 
 def test_zero_padded_product_rows_are_the_rows_alone():
@@ -339,13 +356,14 @@ def test_zero_padded_product_rows_are_the_rows_alone():
     w, b = torch.randn(96, 64), torch.randn(96)
     for n in range(2, 34):
         x = torch.randn(n, 64)
-        y = linear(x, w, b, grow=tree_rows(n))
+        y = linear(x, w, b, grow=row_plan(SAWTOOTH)[n])
         assert y.shape == (n, 96)
         torch.testing.assert_close(y, x @ w.T + b, rtol=1e-5, atol=1e-4)
 
 
 def test_a_padded_cost_curve_prices_n_tokens_at_the_rows_they_run():
-    c = CostCurve(SIZES, [1.0, 1.2, 1.4, 1.8, 2.4, 4.0, 8.0]).padded(tree_rows)
+    plan = row_plan(SAWTOOTH)
+    c = CostCurve(SIZES, [1.0, 1.2, 1.4, 1.8, 2.4, 4.0, 8.0]).padded(plan)
     for n in range(1, 65):
-        assert float(c(n)) == float(np.interp(tree_rows(n), SIZES, c.seconds))
+        assert float(c(n)) == float(np.interp(plan[n], SIZES, c.seconds))
     assert len({float(c(n)) for n in range(9, 17)}) == 1  # 9..16 tokens all run as 16 rows
