@@ -177,9 +177,14 @@ def torch_capability() -> str:
     return get() if get else "unknown"
 
 
+def machine_key() -> str:
+    """What a CPU timing kept in the store depends on besides the model and threads: the CPU's vector extensions and
+    torch's (ATEN_CPU_CAPABILITY can set it below the CPU's)."""
+    return f"{'-'.join(cpu_extensions())}/torch-{torch_capability()}"
+
+
 def _key(model_dir: Path, threads: int) -> str:
-    # the torch side's timing follows its kernels' extension, which ATEN_CPU_CAPABILITY can set below the CPU's
-    return f"{fingerprint(Path(model_dir))}/{threads}t/{'-'.join(cpu_extensions())}/torch-{torch_capability()}"
+    return f"{fingerprint(Path(model_dir))}/{threads}t/{machine_key()}"
 
 
 def _path() -> Path:

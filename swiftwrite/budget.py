@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .forward import Cache, Forward
+from .ops import row_plan, row_times
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 MAX_BUDGET = 63  # draft nodes; a forward over 64 tokens is the largest size measured
@@ -157,3 +158,17 @@ def cached_plan(path: Path, key: str, make) -> list[int]:
     plan = make()
     _keep(path, key, plan)
     return plan
+
+
+def tree_row_plan(model, path: Path, key: str) -> list[int]:
+    """The row counts a float32 CPU model's trees run their products over (ops.row_plan), kept under `key` in the
+    JSON file `path` like the cost curves: measured at the first run that drafts on a machine (~4 s for the
+    default model). A forward is n_layers times a layer's four products plus the LM head; that is what is timed."""
+
+    def measure() -> list[int]:
+        layer = model.layers[0]
+        per_layer = row_times([layer["wqkv"], layer["wo"], layer["w_gate_up"], layer["w_down"]])
+        head = row_times([model.lm_head])
+        return row_plan([model.cfg.n_layers * a + b for a, b in zip(per_layer, head)])
+
+    return cached_plan(path, key, measure)

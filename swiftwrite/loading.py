@@ -33,7 +33,6 @@ from .hfmodel import config_from, load_hf, weight_files
 from .kvcache import KVCache
 from .model import load_lean
 from .modelconfig import SUPPORTED_ARCHS, ModelConfig, read_hf_config
-from .ops import row_plan, row_times
 from .parallel import check_divides
 from .repetition import DrySettings
 from .sampling import Sampler, SamplerSettings
@@ -338,8 +337,9 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
         if "heads" in names else None
     if heads is None and "heads" in names:
         names.remove("heads")  # "all" without heads for this model: the train-free sources alone
-    if names and getattr(model, "pads_trees", False) and model.row_plan is None:
-        model.row_plan = plan_tree_rows(lm)
+    if names and getattr(model, "pads_trees", False) and model.row_plan is None:  # a float32 CPU model's trees
+        model.row_plan = budget_mod.tree_row_plan(model, home() / "row_plans.json", f"{lm.ref.fingerprint}/"
+                                                  f"{torch.get_num_threads()}t/{backends.machine_key()}")
     sources, stats = make_sources(names, model.cfg.vocab_size, static_tree=cfg.static_tree, heads=heads)
     fixed = None
     if names and cfg.budget != "auto":
@@ -396,23 +396,6 @@ def load_head_drafter(lm: Loaded, required: bool, display: Display, cfg: Config 
                      f"forward reads the whole context.")
         kv_budget = window.context
     return TwoPassHeadsDrafter.factory(heads, lm.model, kv_budget)
-
-
-def plan_tree_rows(lm: Loaded) -> list[int]:
-    """The row counts a float32 CPU model's trees run their products over (ops.row_plan): measured once per
-    model, machine and thread count (~4 s for the default model) and kept in the store, like the cost curves.
-    A forward is n_layers times a layer's four products plus the LM head, so that is what is timed."""
-    model = lm.model
-    key = (f"{lm.ref.fingerprint}/{torch.get_num_threads()}t/{'-'.join(backends.cpu_extensions())}"
-           f"/torch-{backends.torch_capability()}")
-
-    def measure() -> list[int]:
-        layer = model.layers[0]
-        per_layer = row_times([layer["wqkv"], layer["wo"], layer["w_gate_up"], layer["w_down"]])
-        head = row_times([model.lm_head])
-        return row_plan([model.cfg.n_layers * a + b for a, b in zip(per_layer, head)])
-
-    return budget_mod.cached_plan(home() / "row_plans.json", key, measure)
 
 
 def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display: Display | None = None,
