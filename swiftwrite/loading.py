@@ -337,9 +337,10 @@ def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, di
         if "heads" in names else None
     if heads is None and "heads" in names:
         names.remove("heads")  # "all" without heads for this model: the train-free sources alone
-    if names and getattr(model, "pads_trees", False) and model.row_plan is None:  # a float32 CPU model's trees
-        model.row_plan = budget_mod.tree_row_plan(model, home() / "row_plans.json", f"{lm.ref.fingerprint}/"
-                                                  f"{torch.get_num_threads()}t/{backends.machine_key()}")
+    lean = getattr(model, "model", model)  # the LeanModel whose forward pads, inside a parallel.Leader
+    if names and getattr(lean, "pads_trees", False) and lean.row_plan is None:  # a float32 CPU model's trees
+        lean.row_plan = budget_mod.tree_row_plan(lean, home() / "row_plans.json", f"{lm.ref.fingerprint}/"
+                                                 f"{torch.get_num_threads()}t/{backends.machine_key()}")
     sources, stats = make_sources(names, model.cfg.vocab_size, static_tree=cfg.static_tree, heads=heads)
     fixed = None
     if names and cfg.budget != "auto":

@@ -47,6 +47,8 @@ class Sampler:
         self._noise: dict[int, torch.Tensor] = {}
         self._suppress = torch.tensor(s.suppress, dtype=torch.long, device=device) if s.suppress else None
         self.dry = Dry(s.dry, vocab) if s.dry.on else None
+        # only a filter (top-k, top-p, min-p) can leave few candidates; without one choose() skips looking for them
+        self._filters = (0 < s.top_k < vocab) or s.top_p < 1.0 or s.min_p > 0.0
 
     @property
     def greedy(self) -> bool:
@@ -199,7 +201,7 @@ class Sampler:
         if self.greedy:
             return processed.argmax(-1)
         pos = positions.tolist() if isinstance(positions, torch.Tensor) else list(positions)
-        if _numpy_view(processed):  # the only ids that can win: -inf + G stays -inf
+        if self._filters and _numpy_view(processed):  # the only ids that can win: -inf + G stays -inf
             live = np.flatnonzero(processed.numpy() != -np.inf)
             if live.shape[0] <= SPARSE_NOISE:
                 return self._choose_among(processed, pos, live)
