@@ -453,6 +453,21 @@ def prompt_for(lm) -> list[int]:
     return prompt_ids(lm.tok, apply_template((ROOT / "prompts" / "lighthouse.txt").read_text(), "novel"), False)
 
 
+def equality(a, report: dict, lm, display, prompt: list[int], settings: dict, name: str, graphs: bool,
+             note: str = "") -> None:
+    """Speculative output (`--draft all`, eager, then from CUDA graphs where `graphs`) against plain output, each
+    recorded under `name` as the first token where they part (None: equal throughout)."""
+    plain, _, _ = run_engine(lm, display, prompt, a.equal_tokens, "none", settings, 1e9, a.draft_budget)
+    spec, _, fwd = run_engine(lm, display, prompt, a.equal_tokens, "all", settings, 1e9, a.draft_budget)
+    report["equality"][name + note] = {"tokens": a.equal_tokens, "first_divergence": first_divergence(spec, plain),
+                                       "tokens_per_forward": round(len(spec) / fwd, 3) if fwd else None}
+    if graphs:
+        with graphs_on(lm):
+            spec, _, _ = run_engine(lm, display, prompt, a.equal_tokens, "all", settings, 1e9, a.draft_budget)
+        report["equality"][name + ", all with CUDA graphs"] = {"tokens": a.equal_tokens,
+                                                               "first_divergence": first_divergence(spec, plain)}
+
+
 def half_section(a, report: dict, model: Path, t_start: float) -> None:
     """Speculative against plain output in --half-dtype, where equality holds by construction if the start-up check
     passes (swiftwrite/exact.py: the products' piece sizes and pads measured on this GPU, single steps and trees
@@ -468,16 +483,8 @@ def half_section(a, report: dict, model: Path, t_start: float) -> None:
                                 "pads": half.model.pads, "step_kernel": half.model.gpu.tree is not None,
                                 "norm": half.model.norm.__module__}
         for name, s in SETTINGS.items():
-            plain, _, _ = run_engine(half, display, prompt, a.equal_tokens, "none", s, 1e9, a.draft_budget)
-            spec, _, fwd = run_engine(half, display, prompt, a.equal_tokens, "all", s, 1e9, a.draft_budget)
-            report["equality"][f"{name} in {a.half_dtype}" + ("" if why is None else " (check failed: no drafts)")] = {
-                "tokens": a.equal_tokens, "first_divergence": first_divergence(spec, plain),
-                "tokens_per_forward": round(len(spec) / fwd, 3) if fwd else None}
-            if half.model.gpu.tree is not None:
-                with graphs_on(half):
-                    spec, _, _ = run_engine(half, display, prompt, a.equal_tokens, "all", s, 1e9, a.draft_budget)
-                report["equality"][f"{name} in {a.half_dtype}, all with CUDA graphs"] = {
-                    "tokens": a.equal_tokens, "first_divergence": first_divergence(spec, plain)}
+            equality(a, report, half, display, prompt, s, f"{name} in {a.half_dtype}", half.model.gpu.tree is not None,
+                     "" if why is None else " (check failed: no drafts)")
             save(report, a.out, t_start)
     # the table takes minutes through Triton's CPU interpreter: on a CPU only where the equality failed
     if a.device == "cuda" or a.invariance_only or any(v["first_divergence"] is not None for v in report["equality"].values()):
@@ -490,14 +497,7 @@ def sections_after_load(a, report: dict, lm, display, model: Path, prompt: list[
     settings = SETTINGS
     for name, s in settings.items():
         with section(report, f"equality, {name}", a.out, t_start):
-            plain, _, _ = run_engine(lm, display, prompt, a.equal_tokens, "none", s, 1e9, a.draft_budget)
-            spec, _, _ = run_engine(lm, display, prompt, a.equal_tokens, "all", s, 1e9, a.draft_budget)
-            report["equality"][name] = {"tokens": a.equal_tokens, "first_divergence": first_divergence(spec, plain)}
-            if graphs:
-                with graphs_on(lm):
-                    spec, _, _ = run_engine(lm, display, prompt, a.equal_tokens, "all", s, 1e9, a.draft_budget)
-                report["equality"][name + ", all with CUDA graphs"] = {"tokens": a.equal_tokens,
-                                                                       "first_divergence": first_divergence(spec, plain)}
+            equality(a, report, lm, display, prompt, s, name, graphs)
 
     if a.half_dtype != "none" and a.half_dtype != dtype_name(lm.model.dtype):
         half_section(a, report, model, t_start)
