@@ -60,10 +60,12 @@ class CostCurve:
         return cls(d["sizes"], [m / 1e3 for m in d["ms"]])
 
 
-def best_budget(scores: list[float], cost: CostCurve, cap: int = MAX_BUDGET, scale: float = 1.0, least: int = 0) -> int:
-    """argmax_B (1 + scale * sum of the B best scores) / cost(B + 1), B in least..cap (0 when there are fewer
-    than `least` scores). `scale` calibrates the estimates against what verification actually accepted
-    (Engine.calibration)."""
+def best_budget(scores: list[float], cost: CostCurve, cap: int = MAX_BUDGET, scale: float = 1.0, least: int = 0,
+                extra: float = 0.0) -> int:
+    """argmax_B (1 + scale * sum of the B best scores) / (cost(B + 1) + extra if B else cost(1)), B in least..cap
+    (0 when there are fewer than `least` scores). `scale` calibrates the estimates against what verification
+    actually accepted (Engine.calibration); `extra` is the engine's own time a verified tree adds to a step beyond
+    a resting one's, in seconds (Engine.extra)."""
     p = np.asarray(sorted(scores, reverse=True)[:cap], dtype=np.float64)
     gain = np.empty(len(p) + 1)
     gain[0] = 0.0
@@ -72,7 +74,11 @@ def best_budget(scores: list[float], cost: CostCurve, cap: int = MAX_BUDGET, sca
     gain += 1.0
     if len(gain) <= least:
         return 0
-    return least + int(np.argmax(gain[least:] / cost.upto(len(gain))[least:]))
+    seconds = cost.upto(len(gain))
+    if extra > 0.0:
+        seconds = seconds.copy()  # upto() hands out its kept table
+        seconds[1:] += extra
+    return least + int(np.argmax(gain[least:] / seconds[least:]))
 
 
 def measure(model: Forward, cache: Cache, reps: int = 3, sizes=SIZES, tries: int = 3) -> CostCurve:

@@ -10,6 +10,8 @@ State between steps: `S` (every token so far, prompt included) and a KV cache ho
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +41,7 @@ EXPLORE_EVERY = 16  # steps of budget 0 after which the costly sources propose a
 # ... doubled after each such look where none of their drafts is accepted, up to EXPLORE_MAX (a look costs the
 # heads' work: their state update and proposals)
 EXPLORE_MAX = 128
+TIMED = 8  # steps of each kind (resting, verifying a tree) whose median is the engine's own time for that kind
 
 
 @dataclass
@@ -121,6 +124,14 @@ class Engine:
         # a real loss.
         self._real, self._pred = CALIBRATION_PRIOR, CALIBRATION_PRIOR
         self._predicted = 0.0  # the summed estimates of the tree being verified
+        # The engine's own time per step beyond its forward's cost on the curve, for the last TIMED resting steps and
+        # the last TIMED tree steps. The curve prices forwards only; around a tree the engine also selects, processes
+        # n rows of logits, walks, compacts and updates its sources. Where forwards are cheap (a GPU, launch-bound:
+        # 2026-12-04, eager trees at 1.17 tokens a forward wrote 45 tok/s against plain's 71) that work decides, so
+        # the budget adds the difference of the medians (`extra`) to every tree's cost. Medians, because noise only
+        # ever adds time: a first call's warm-up or another process's stall must not keep trees away for a run.
+        self._spent = (deque(maxlen=TIMED), deque(maxlen=TIMED))
+        self.extra = 0.0  # seconds; 0 until a tree's step is timed
         self.pinned = None  # pin_context(): ids kept between the prompt and the recent tokens after a rebuild
         self.prompt_len = window.prompt
         for src in self.sources:
@@ -206,6 +217,7 @@ class Engine:
         if self.n >= self.span[1]:
             self._rebuild()
             rebuilt = True
+        t0 = time.perf_counter()
         s, b = self.span
         root = int(self.S[self.n - 1])
         tree = self.tree
@@ -273,6 +285,8 @@ class Engine:
                 src.after_commit(hist, len(new))
             if self._shadows:
                 self._check_shadows(hist)
+            if self.budget is None and self.cost is not None and not rebuilt:
+                self._time_step(n_nodes, time.perf_counter() - t0)
         accepted_src = [flat.sources[i] for i in path[1 : len(new) + 1]]  # drafts among the committed tokens
         if self.bans is None:
             return Step(new, n_nodes, n_nodes - 1, accepted_src, rebuilt)
@@ -319,7 +333,7 @@ class Engine:
         if self.cost_at is not None and bucket != self._cost_bucket:
             self.cost, self._cost_bucket = self.cost_at(self.cache), bucket
         scores = tree.best_scores(max_depth)
-        budget = best_budget(scores, self.cost, limit, scale=self.calibration)
+        budget = best_budget(scores, self.cost, limit, scale=self.calibration, extra=self.extra)
         if budget > 0:
             self._idle, self._explore_every = 0, EXPLORE_EVERY
             self._predicted = sum(scores[:budget])  # what the calibration compares the accepted count with
@@ -332,7 +346,7 @@ class Engine:
         look = self._idle >= self._explore_every  # the costly sources proposed too
         # after a look the count restarts at 1, not 0 (0: a tree was just verified): the costly sources rest again
         self._idle = 1 if look else self._idle + 1
-        size = best_budget(scores, self.cost, limit, scale=self.calibration, least=1)
+        size = best_budget(scores, self.cost, limit, scale=self.calibration, least=1, extra=self.extra)
         self._shadows.append((self.n, *tree.best(size, max_depth), look))
         return 0, False
 
@@ -384,6 +398,14 @@ class Engine:
                 self._explore_every = EXPLORE_EVERY if found else min(2 * self._explore_every, EXPLORE_MAX)
         self._shadows = keep
 
+    def _time_step(self, n_nodes: int, seconds: float) -> None:
+        """Keep a step's own time (its wall time less its forward's cost on the curve) and update `extra`: the
+        seconds a tree's step spends in the engine beyond a resting step's (a resting step counts 0 until one is timed)."""
+        tree, rest = self._spent[1], self._spent[0]
+        (tree if n_nodes > 1 else rest).append(seconds - float(self.cost(n_nodes)))
+        if tree:
+            self.extra = max(0.0, _median(tree) - (_median(rest) if rest else 0.0))
+
     def _resting(self) -> bool:
         """True while an automatic budget rests at 0: the costly sources (the heads: a few ms of matrix work
         per step) sit out until the explore period has passed (EXPLORE_EVERY steps, doubled after each look that
@@ -420,3 +442,8 @@ class Engine:
             except (ValueError, KeyError, TypeError) as e:
                 warnings.append(f"ignored the saved {src.name} state ({e}); drafting restarts cold, the text is unaffected")
         return warnings
+
+
+def _median(xs) -> float:
+    s = sorted(xs)
+    return 0.5 * (s[(len(s) - 1) // 2] + s[len(s) // 2])

@@ -236,6 +236,7 @@ class Session:
                            for name, n in st.per_source.items()},
             "budget": self.budget() or "none",
             "cost_curve_ms": engine.cost.to_dict() if engine.cost is not None else None,
+            "engine_ms_per_tree": round(engine.extra * 1e3, 3),  # what the automatic budget adds to a tree's forward
             "kv_cache_bytes": engine.cache.nbytes, "peak_rss_bytes": _rss(), "model_fingerprint": rd.fingerprint,
             "weights": lm.weights, "backend": lm.backend, "cpu": cpu_extensions(), "text_pending_tokens": pending,
             "earlier_processes": st.history,

@@ -290,6 +290,33 @@ def test_the_budget_calibration_follows_what_verification_accepts(models):
     assert accepted > 0
 
 
+def test_the_engines_own_time_around_trees_counts_against_them(models):
+    """Forwards priced at a flat 10 ms (cheap trees, as on a GPU), the same drafts twice: as they are, and with a
+    source whose update after each verified tree takes 50 ms more (the H200's eager engine spent 12 ms around trees
+    beside 14-ms forwards). The slow one stops verifying trees after its first, because the measured `extra` prices
+    them out; the fast one keeps drafting. The text is the same."""
+    import time
+
+    prompt, s = prompt_for("qwen3-s1"), SETTINGS["greedy-w32"]
+    model = models("qwen3-s1")
+    ten_ms = CostCurve(SIZES, [0.01] * len(SIZES))
+    runs = {}
+    for slow in (False, True):
+        sources, stats = make_sources(["recycling", "ngram"], model.cfg.vocab_size)
+        if slow:
+            real = sources[1].after_verify
+            sources[1].after_verify = lambda flat, top: (time.sleep(0.05) if flat.tokens.shape[0] > 1 else None,
+                                                         real(flat, top))
+        engine = Engine(model, Sampler(s, model.cfg.vocab_size), Window(model.cfg.max_positions, len(prompt)), sources,
+                        stats, cost=ten_ms, capacity=len(prompt) + 301)
+        engine.start(prompt)
+        steps = list(engine.run(300))
+        runs[slow] = ([t for x in steps for t in x.tokens], sum(x.forward_tokens > 1 for x in steps), engine.extra)
+    assert runs[True][0] == runs[False][0]
+    assert runs[False][1] >= 20 and runs[False][2] < 0.01
+    assert 1 <= runs[True][1] <= 2 and runs[True][2] >= 0.05
+
+
 def test_speculative_equals_plain_with_a_penalty_window_shorter_than_the_tree(models):
     settings = SamplerSettings(penalty=1.3, window=2)  # Config accepts any window >= 0; ngram drafts are 3 deep
     ref = generate(models("qwen3-s1"), prompt_for("qwen3-s1"), settings, n=300)[0]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from swiftwrite.budget import SIZES, CostCurve, best_budget
+from swiftwrite.budget import MAX_BUDGET, SIZES, CostCurve, best_budget
 from swiftwrite.drafting import AcceptanceStats
 from swiftwrite.errors import UserError
 from swiftwrite.ngram import N, TOP, NgramDrafter
@@ -295,9 +295,9 @@ STEEP = CostCurve(SIZES, [1.0, 1.6, 2.6, 4.6, 8.6, 16.6, 32.6])  # every extra t
 CPU = CostCurve(SIZES, [19.2, 25.4, 26.3, 39.1, 50.5, 73.2, 116.1])  # the default model on 2 cores (ms)
 
 
-def brute_budget(scores, cost, cap):
+def brute_budget(scores, cost, cap, extra=0.0):
     p = sorted(scores, reverse=True)[:cap]
-    rates = [(1 + sum(p[:b])) / float(cost(b + 1)) for b in range(len(p) + 1)]
+    rates = [(1 + sum(p[:b])) / (float(cost(b + 1)) + (extra if b else 0.0)) for b in range(len(p) + 1)]
     return rates.index(max(rates))
 
 
@@ -318,6 +318,20 @@ def test_a_calibration_below_one_shrinks_the_budget():
     assert best_budget(scores, CPU) > 0
     assert best_budget(scores, CPU, scale=0.1) == 0
     assert best_budget(scores, FLAT, scale=0.1) == 10  # a flat curve still takes every node
+
+
+def test_the_engines_own_time_around_a_tree_can_make_resting_pay():
+    """The H200 case (2026-12-04): forwards that barely grow with the tree (14 ms), but a step verifying one spent
+    12 ms more in the engine, at 1.17 tokens a forward. Priced by forwards alone the tree wins; with the engine's
+    time it loses, as it did (45 against 71 tok/s). A repetition the drafts follow still pays."""
+    gpu = CostCurve(SIZES, [0.014, 0.014, 0.014, 0.0141, 0.0142, 0.0145, 0.015])
+    assert best_budget([0.17], gpu) == 1
+    assert best_budget([0.17], gpu, extra=0.012) == 0
+    assert best_budget([0.95] * 8, gpu, extra=0.012) == 8
+    scores = [0.9, 0.8] + [0.4] * 30 + [0.1] * 40
+    for cost in (FLAT, STEEP, CPU):
+        assert best_budget(scores, cost, extra=0.0) == best_budget(scores, cost)
+        assert best_budget(scores, cost, extra=1e-3) == brute_budget(scores, cost, MAX_BUDGET, extra=1e-3)
 
 
 def test_an_inconsistent_cost_curve_is_remeasured_and_never_cached(tmp_path, monkeypatch):
