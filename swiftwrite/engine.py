@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 
 import numpy as np
 import torch
@@ -124,14 +125,13 @@ class Engine:
         # a real loss.
         self._real, self._pred = CALIBRATION_PRIOR, CALIBRATION_PRIOR
         self._predicted = 0.0  # the summed estimates of the tree being verified
-        # The engine's own time per step beyond its forward's cost on the curve, for the last TIMED resting steps and
-        # the last TIMED tree steps. The curve prices forwards only; around a tree the engine also selects, processes
-        # n rows of logits, walks, compacts and updates its sources. Where forwards are cheap (a GPU, launch-bound:
-        # 2026-12-04, eager trees at 1.17 tokens a forward wrote 45 tok/s against plain's 71) that work decides, so
-        # the budget adds the difference of the medians (`extra`) to every tree's cost. Medians, because noise only
-        # ever adds time: a first call's warm-up or another process's stall must not keep trees away for a run.
+        # The engine's own time per step beyond its forward's cost on the curve, for the last TIMED resting and tree
+        # steps: the curve prices forwards only, and where they are cheap (the H200, 2026-12-04: eager trees at 1.17
+        # tokens a forward, 45 tok/s against plain's 71) the work around a tree decides. The budget adds the medians'
+        # difference (`extra`) to every tree's cost; medians, because noise (a stall, a warm-up) only adds time.
         self._spent = (deque(maxlen=TIMED), deque(maxlen=TIMED))
-        self.extra = 0.0  # seconds; 0 until a tree's step is timed
+        self.extra = 0.0  # seconds; 0 until three trees' steps are timed
+        self._warm = False  # whether a tree's step has run (its first is not timed)
         self.pinned = None  # pin_context(): ids kept between the prompt and the recent tokens after a rebuild
         self.prompt_len = window.prompt
         for src in self.sources:
@@ -402,9 +402,12 @@ class Engine:
         """Keep a step's own time (its wall time less its forward's cost on the curve) and update `extra`: the
         seconds a tree's step spends in the engine beyond a resting step's (a resting step counts 0 until one is timed)."""
         tree, rest = self._spent[1], self._spent[0]
+        if n_nodes > 1 and not self._warm:  # the first tree's step pays first calls' warm-up (seen: 19 ms on a CPU)
+            self._warm = True
+            return
         (tree if n_nodes > 1 else rest).append(seconds - float(self.cost(n_nodes)))
-        if tree:
-            self.extra = max(0.0, _median(tree) - (_median(rest) if rest else 0.0))
+        if len(tree) >= 3:  # a median of one or two is one or two steps' noise
+            self.extra = max(0.0, median(tree) - (median(rest) if rest else 0.0))
 
     def _resting(self) -> bool:
         """True while an automatic budget rests at 0: the costly sources (the heads: a few ms of matrix work
@@ -442,8 +445,3 @@ class Engine:
             except (ValueError, KeyError, TypeError) as e:
                 warnings.append(f"ignored the saved {src.name} state ({e}); drafting restarts cold, the text is unaffected")
         return warnings
-
-
-def _median(xs) -> float:
-    s = sorted(xs)
-    return 0.5 * (s[(len(s) - 1) // 2] + s[len(s) // 2])

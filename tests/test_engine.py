@@ -293,8 +293,8 @@ def test_the_budget_calibration_follows_what_verification_accepts(models):
 def test_the_engines_own_time_around_trees_counts_against_them(models):
     """Forwards priced at a flat 10 ms (cheap trees, as on a GPU), the same drafts twice: as they are, and with a
     source whose update after each verified tree takes 50 ms more (the H200's eager engine spent 12 ms around trees
-    beside 14-ms forwards). The slow one stops verifying trees after its first, because the measured `extra` prices
-    them out; the fast one keeps drafting. The text is the same."""
+    beside 14-ms forwards). The slow one stops verifying trees once three are timed (the first is not: warm-up),
+    because the measured `extra` prices them out; the fast one keeps drafting. The text is the same."""
     import time
 
     prompt, s = prompt_for("qwen3-s1"), SETTINGS["greedy-w32"]
@@ -314,7 +314,7 @@ def test_the_engines_own_time_around_trees_counts_against_them(models):
         runs[slow] = ([t for x in steps for t in x.tokens], sum(x.forward_tokens > 1 for x in steps), engine.extra)
     assert runs[True][0] == runs[False][0]
     assert runs[False][1] >= 20 and runs[False][2] < 0.01
-    assert 1 <= runs[True][1] <= 2 and runs[True][2] >= 0.05
+    assert 4 <= runs[True][1] <= 6 and runs[True][2] >= 0.05
 
 
 def test_speculative_equals_plain_with_a_penalty_window_shorter_than_the_tree(models):
