@@ -12,7 +12,7 @@ from pathlib import Path
 import common
 from swiftwrite.config import Config
 from swiftwrite.metrics import first_divergence
-from swiftwrite.loading import build_engine, load
+from swiftwrite.assembly import build_engine, load
 from swiftwrite.prompt import apply_template, prompt_ids, read_prompt
 from swiftwrite.ui import Display
 

@@ -216,7 +216,7 @@ def tp_check(work: Path, device: str, world: int, layers: int, n: int, budget: i
 
 
 def load(model: Path, device: str, dtype: str, attention: str):
-    from swiftwrite import loading
+    from swiftwrite import assembly
     from swiftwrite.devices import pick_device
     from swiftwrite.store import ModelRef
     from swiftwrite.ui import Display
@@ -224,13 +224,13 @@ def load(model: Path, device: str, dtype: str, attention: str):
     cfg = Config(model=str(model), device=device, dtype=dtype, attention=attention)
     display = Display("quiet")
     if model.suffix == ".gguf" or (model / "tokenizer.json").exists() or (model / "tokenizer_config.json").exists():
-        return loading.load(cfg, display), display
+        return assembly.load(cfg, display), display
     # a random stand-in has no tokenizer: the engine needs only ids
     from swiftwrite.model import load_lean
 
     # the fingerprint keys cached cost curves: a random stand-in of another shape must not reuse them
     shape = hashlib.sha256((model / "config.json").read_bytes()).hexdigest()[:12]
-    lm = loading.Loaded(ModelRef(name="random", path=model, fingerprint=f"random-{shape}"), None, None, *pick_device(cfg),
+    lm = assembly.Loaded(ModelRef(name="random", path=model, fingerprint=f"random-{shape}"), None, None, *pick_device(cfg),
                         attention=attention)
     lm.model = load_lean(model, lm.device, lm.dtype, attention)
     lm.mcfg = lm.model.cfg
@@ -287,7 +287,7 @@ def forward_costs(lm, contexts, sizes, reps: int) -> list[dict]:
 
 def run_engine(lm, display, prompt: list[int], n: int, draft: str, settings: dict, budget_s: float,
                draft_budget: str = "auto"):
-    from swiftwrite.loading import build_engine, fit_budget
+    from swiftwrite.assembly import build_engine, fit_budget
 
     cfg = Config(draft=draft, tokens=n, budget=draft_budget, **settings).validate()
     engine = build_engine(cfg, lm, len(prompt), len(prompt) + n, display)

@@ -131,7 +131,7 @@ def probe(run: Path, at: list[int], n: int) -> list[dict]:
     import torch
 
     from swiftwrite.config import Config
-    from swiftwrite.loading import build_engine, fit_budget, load
+    from swiftwrite.assembly import build_engine, fit_budget, load
     from swiftwrite.ui import Display
 
     with RunDir.open(run) as rd:

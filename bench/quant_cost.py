@@ -47,7 +47,7 @@ def one_setting(weights: str, tokens: int, threads: int, samplers: list[str], wo
     """Runs in its own process: load with `weights`, then none and all per sampler setting."""
     import torch
 
-    from swiftwrite import loading, quant, store
+    from swiftwrite import assembly, quant, store
     from swiftwrite.bench import SETTINGS as BENCH_SETTINGS, run_one, workload_ids
     from swiftwrite.config import Config
     from swiftwrite.metrics import distinct, first_divergence, longest_repeat
@@ -59,7 +59,7 @@ def one_setting(weights: str, tokens: int, threads: int, samplers: list[str], wo
     weights = "float" if weights == "bfloat16" else weights
     built = weights != "float" and not quant.packed_path(store.locate("smollm2-135m"), weights).is_file()
     t = time.perf_counter()
-    lm = loading.load(Config(weights=weights, threads=threads, dtype=dtype), display)
+    lm = assembly.load(Config(weights=weights, threads=threads, dtype=dtype), display)
     load_s = time.perf_counter() - t
     path = lm.ref.path
     store_bytes = sum(f.stat().st_size for f in Path(path).glob("*.safetensors")) if weights == "float" \
@@ -92,7 +92,7 @@ def transformers_rows(method: str, tokens: int, threads: int, samplers: list[str
     import torch
     from transformers import AutoModelForCausalLM
 
-    from swiftwrite import loading
+    from swiftwrite import assembly
     from swiftwrite.bench import SETTINGS as BENCH_SETTINGS, run_one, workload_ids
     from swiftwrite.config import Config
     from swiftwrite.metrics import distinct, longest_repeat
@@ -101,7 +101,7 @@ def transformers_rows(method: str, tokens: int, threads: int, samplers: list[str
 
     torch.set_num_threads(threads)
     display = Display("quiet")
-    lm = loading.load(Config(threads=threads), display)
+    lm = assembly.load(Config(threads=threads), display)
     keep_float_copy(lm.ref.path)
     hf = AutoModelForCausalLM.from_pretrained(str(lm.ref.path), dtype=torch.float32).eval()
     ids, _ = workload_ids(lm.tok, workload)

@@ -94,6 +94,41 @@ def choose(cfg, model_dir: Path, device: str, say=lambda msg: None) -> str:
     return "torch" if why else "auto"
 
 
+def load(name: str, model_dir: Path, threads: int, load_torch, load_ggml_model, say=lambda msg: None) -> tuple[str, object]:
+    """The chosen backend's model (`auto`: `measured`), and the name of the one that runs."""
+    if name == "torch":
+        return name, load_torch()
+    if name == "ggml":
+        return name, load_ggml_model()
+    return measured(model_dir, threads, load_torch, load_ggml_model, say)
+
+
+def runs_torch_weights(name: str) -> bool:
+    """Whether --weights (torch's float or re-quantized weights) applies: not on llama.cpp, which runs the GGUF's own
+    bits."""
+    return name != "ggml"
+
+
+def file_bytes(name: str, model_dir: Path) -> int:
+    """The bytes a backend that maps its model file (llama.cpp: the GGUF) will hold; 0 for the others."""
+    return gguf_path(model_dir).stat().st_size if name == "ggml" else 0
+
+
+def describe(name: str, device: str, dtype: str, weights: str) -> str:
+    """Where the model computes, for the KV cache's line."""
+    if name == "ggml":
+        return "llama.cpp, float16"
+    return f"{device}/{dtype}" + (f", {weights} weights" if weights != "float" else "")
+
+
+def curve_key(name: str, weights: str) -> str:
+    """What a cost curve depends on of the backend: llama.cpp's kernels are another curve; torch's quantized
+    products too."""
+    if name == "ggml":
+        return f"/{name}"
+    return f"/w-{weights}" if weights != "float" and name == "torch" else ""
+
+
 def load_ggml(model_dir: Path, mcfg, threads: int) -> "ggmlmodel.GgmlModel":
     """The GGUF in llama.cpp, with the rows a decode may carry exactly (check_rows) measured once per machine."""
     model = ggmlmodel.GgmlModel(gguf_path(model_dir), mcfg, threads=threads, flash_attn=FLASH_ATTN)
@@ -130,7 +165,7 @@ def measured(model_dir: Path, threads: int, load_torch, load_ggml_model, say=lam
         model = load_ggml_model() if name == "ggml" else load_torch()
     else:
         ggml = load_ggml_model()
-        if getattr(ggml, "rows_note", None) and ggml.batch_rows == 1:
+        if ggml.rows_note and ggml.batch_rows == 1:
             note = ggml.rows_note
             del ggml
             return _no_batches(note, load_torch, say)

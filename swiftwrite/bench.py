@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from .backends import cpu_extensions, gguf_path, torch_capability
-from . import loading, prompt
+from . import assembly, prompt
 from .config import Config
 from .hf import transformers
-from .loading import build_engine, fit_budget
+from .assembly import build_engine, fit_budget
 from .errors import UsageError, UserError
 from .metrics import distinct, distinct_n, first_divergence, longest_repeat, median, speedup
 from .peers import llamacpp_generate, load_llamacpp
@@ -85,7 +85,7 @@ def workload(name: str) -> Workload:
 
 
 def workload_ids(tok, name: str) -> tuple[list[int], int]:
-    """A workload's prompt ids and where its written text starts for the penalties (as loading.text_start_for:
+    """A workload's prompt ids and where its written text starts for the penalties (as assembly.text_start_for:
     with a source, after the prompt; without, 0)."""
     w = workload(name)
     brief = prompt.read_prompt(str(find_prompt(w.brief)))
@@ -198,7 +198,7 @@ def run(methods: list[str], settings: list[str], prompts: list[str], tokens: int
     validate(methods, settings, repeats, tokens, out)
     check_workloads(prompts)
     display = Display("quiet")
-    lm = loading.open_model(Config(model=model), display)  # tokenizer and shape: the prompts are checked first
+    lm = assembly.open_model(Config(model=model), display)  # tokenizer and shape: the prompts are checked first
     prompt_ids, text_start = {}, {}
     for p in prompts:
         ids, start = workload_ids(lm.tok, p)
@@ -218,7 +218,7 @@ def run(methods: list[str], settings: list[str], prompts: list[str], tokens: int
         if gguf is None:
             raise UsageError(f"{method} runs the model's GGUF, and {lm.ref.path} holds none; leave it out of --methods.")
         llamas[method] = None  # loaded below, once the prompts' lengths are known
-    loading.load_weights(lm, display.info)
+    assembly.load_weights(lm, display.info)
     context = max(len(ids) for ids in prompt_ids.values()) + tokens + 16
     for method in llamas:
         llamas[method] = load_llamacpp(gguf_path(lm.ref.path), torch.get_num_threads(), context,

@@ -99,7 +99,8 @@ def measure(model: Forward, cache: Cache, reps: int = 3, sizes=SIZES, tries: int
 
 def _measure_once(model: Forward, cache: Cache, reps: int, sizes) -> CostCurve:
     free = cache.capacity - cache.length
-    sizes = [n for n in sizes if n <= min(free, getattr(model, "max_rows", n))]  # llama.cpp: its exact batch size
+    rows = model.abilities.max_rows  # llama.cpp: its exact batch size
+    sizes = [n for n in sizes if n <= min(free, rows if rows is not None else n)]
     pos0 = max(0, cache.length)
     out = []
     for n in sizes:

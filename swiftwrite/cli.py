@@ -7,6 +7,7 @@ printed as one line on stderr with exit status 1 (2 for usage); never a tracebac
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import os
@@ -97,7 +98,7 @@ def generate(
         if flags["tp"] is not None and cfg.tp != here.world:
             raise UsageError(f"--tp {cfg.tp} was given, but this command runs as {here.world} ranks; give the same "
                              "number to both, or leave --tp out under torchrun.")
-        cfg.tp = here.world
+        cfg = dataclasses.replace(cfg, tp=here.world)
     elif cfg.tp > 1:
         if cfg.backend == "ggml":
             raise UsageError("--backend ggml runs in one process; drop --tp, or use --backend torch for tensor "

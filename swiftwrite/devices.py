@@ -7,16 +7,20 @@ stay fast (see writer.py).
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
+
 import torch
 
 from .attention import attention_plan
-from .config import Config
 from .errors import UserError
 from .modelconfig import ModelConfig
 from .quant import kernel_missing, unpackable
 from .ui import dtype_name, human_bytes
 
-def pick_device(cfg: Config, say=lambda msg: None) -> tuple[str, "torch.dtype"]:
+if TYPE_CHECKING:  # named in annotations only: these rules read a validated configuration's fields
+    from .config import Config
+
+def pick_device(cfg: "Config", say=lambda msg: None) -> tuple[str, "torch.dtype"]:
     """The device and dtype for `cfg`. `auto` is bfloat16 on a GPU that computes in it (half the bytes every step
     reads, and an 8B model fits a 24 GB card) and float32 elsewhere: on the development CPU bfloat16 runs slower
     than float32 (README "Half precision"). bfloat16 writes another text than float32, and its speculative output
@@ -79,7 +83,7 @@ def quantized_option(gguf_type: str | None, device: str, mcfg: "ModelConfig", le
     return w
 
 
-def pick_weights(cfg: Config, device: str, mcfg: "ModelConfig", lean: bool) -> str:
+def pick_weights(cfg: "Config", device: str, mcfg: "ModelConfig", lean: bool) -> str:
     """config.WEIGHTS resolved: "float", "int8" or "int4"; a quantized setting this model or machine cannot run is
     refused with one sentence (before any weight is read) rather than silently run as float, whose text differs.
     `auto` is float: int4 writes 2.1-2.3x as fast on the dev CPU, but its text turned to glued words sooner in 3 of
@@ -111,7 +115,7 @@ def free_memory(device: str) -> int | None:
     return int(torch.cuda.mem_get_info()[0])
 
 
-def fit_dtype(cfg: Config, mcfg: "ModelConfig", device: str, dtype, say, world: int = 1) -> "torch.dtype":
+def fit_dtype(cfg: "Config", mcfg: "ModelConfig", device: str, dtype, say, world: int = 1) -> "torch.dtype":
     """Where `--dtype auto` is float32 (a CPU, a GPU without bfloat16) and float32 weights do not fit the free memory
     but half-size ones do, half it is, with that said (an 8B model: 32 GB in float32, 16 GB in a half dtype)."""
     if cfg.dtype != "auto" or dtype != torch.float32:
@@ -128,7 +132,7 @@ def fit_dtype(cfg: Config, mcfg: "ModelConfig", device: str, dtype, say, world: 
     return half
 
 
-def attention_notes(cfg: Config, device: str, dtype) -> tuple[bool, list[str]]:
+def attention_notes(cfg: "Config", device: str, dtype) -> tuple[bool, list[str]]:
     """Whether CUDA graphs will be used, and a sentence for each GPU option that cannot be honoured here."""
     tree, _, notes = attention_plan(cfg.attention, device, dtype)
     graphs = cfg.cuda_graphs

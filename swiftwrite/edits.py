@@ -11,19 +11,22 @@ plan (outline.Plan.fixed_starts), so a resume inside the round places every head
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import outline as outlines
 from . import rounds
-from .config import Config
-from .devices import pick_device
+from .assembly import check_device, open_model, open_session
 from .errors import UsageError, UserError, read_user_file
-from .loading import open_model
 from .prompt import TextStream
 from .rundir import RunDir
-from .session import RunStats, open_out, open_session, unpack_state
+from .session import RunStats, open_out, unpack_state
 from .store import resolve
 from .ui import Display
+
+if TYPE_CHECKING:  # named in annotations only: the writer validated it, and this module passes it on
+    from .config import Config
 
 
 def read_edited(path: Path) -> str:
@@ -72,14 +75,14 @@ def plan_of(rd: RunDir) -> outlines.Plan | None:
                         "start it again with the same outline.") from None
 
 
-def continue_edited(cfg: Config, rd: RunDir, edited: Path, text: str, more: int | None, out_path: Path | None,
+def continue_edited(cfg: "Config", rd: RunDir, edited: Path, text: str, more: int | None, out_path: Path | None,
                     force: bool, display: Display, stats_json: Path | None) -> int:
     left = cfg.tokens - len(rd.tokens)
     if more is None and left <= 0:
         raise UsageError(f"{rd.path} is complete; pass --tokens N to say how many tokens to add after {edited}.")
     more = more if more is not None else left
     plan = plan_of(rd)
-    pick_device(cfg)
+    check_device(cfg)
     ref = resolve(cfg.model, log=display.info)
     if ref.fingerprint != rd.fingerprint and not force:
         raise UserError(f"{rd.path} was written with another model (fingerprint {rd.fingerprint}, now "
@@ -93,7 +96,7 @@ def continue_edited(cfg: Config, rd: RunDir, edited: Path, text: str, more: int 
                         f"{lm.mcfg.vocab_size} embeddings; re-download or re-convert the model.")
     if plan is not None:
         plan = continued_plan(plan, text, ids, token_finder(lm.tok, ids), more, f"{rd.path / 'outline.md'}")
-    cfg.tokens = len(ids) + more
+    cfg = dataclasses.replace(cfg, tokens=len(ids) + more).validate()
     session = open_session(cfg, lm, len(rd.prompt_ids), plan, display)
     if session.sched:
         session.sched.replay(ids)

@@ -102,7 +102,8 @@ class Engine:
         self.stop_ids = set(stop_ids)
         self.bans = bans
         self.final = 0  # with bans: tokens before it are final; the ones after may still be taken back
-        most = min(MAX_BUDGET, getattr(model, "max_rows", MAX_BUDGET + 1) - 1)  # a forward's exact rows (ggmlmodel)
+        rows = model.abilities.max_rows  # the most a forward computes exactly (llama.cpp: its probe's)
+        most = min(MAX_BUDGET, rows - 1) if rows is not None else MAX_BUDGET
         max_nodes = 1 + (min(budget, most) if budget is not None else most) if self.sources else 1
         self.max_nodes = max_nodes
         self.cache = model.new_cache(window.context + max_nodes)
@@ -190,7 +191,7 @@ class Engine:
         body = ctx[:-1]
         seed = seed_sources and any(isinstance(s, RecyclingDrafter) for s in self.sources)
         singles = 0
-        if getattr(self.model, "steps_apart", False):
+        if self.model.abilities.steps_apart:
             s, _ = self.span
             n0 = self.prompt_len if s == self.window.prompt else s + self.window.recent
             singles = max(0, min(self.n - n0, body.shape[0]))
@@ -365,7 +366,7 @@ class Engine:
         self.n += len(ids)
         if self.n < self.span[1]:
             body = self.S[old - 1 : self.n - 1]
-            size = 1 if getattr(self.model, "steps_apart", False) else PREFILL_CHUNK  # as _rebuild will redo them
+            size = 1 if self.model.abilities.steps_apart else PREFILL_CHUNK  # as _rebuild will redo them
             for a in range(0, body.shape[0], size):
                 chunk = body[a : a + size].to(self.model.device)
                 pos = torch.arange(self.cache.length, self.cache.length + chunk.shape[0], device=self.model.device)

@@ -182,6 +182,6 @@ def check(model) -> str | None:
     text on this machine. On a GPU also a chain as long as the largest tree (~1 s): CUDA kernels choose their
     launch shape, and with it a sum's order, by the row count, which a small tree does not reach. On a CPU, where
     it would add seconds to each start, the lossless tests run trees of every size through the same kernels."""
-    lean = getattr(model, "model", model)  # the LeanModel inside a graphs.GraphedModel: its static forward reads it
-    lean.rows, why = plan_rows(model)
+    rows, why = plan_rows(model)
+    model.set_pieces(rows)  # on the LeanModel inside a graphs.GraphedModel too: its static forward reads them
     return why or tree_probe(model) or (chain_probe(model) if torch.device(model.device).type == "cuda" else None)

@@ -6,11 +6,37 @@ here runs: these are the names and shapes a new implementation must provide, che
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from .modelconfig import ModelConfig
+
+
+@dataclass(frozen=True)
+class Abilities:
+    """What a forward can do, declared by its implementation (and its probe): the one place callers learn it.
+
+    The defaults describe a forward that computes any batch and any tree to a single step's bits (float32 torch,
+    whose trees differ from steps only in the last bits, observed never to change a token)."""
+
+    lean: bool = False  # the lean Llama-family forward (model.LeanModel, or a wrapper of it): tensor parallelism,
+    # multi-token heads and --weights int8/int4 need it; the transformers fallback and llama.cpp are not it
+    hidden: bool = True  # hidden states before the final norm are real (llama.cpp exposes none: no heads)
+    exact_rows: bool = False  # trees keep single steps' bits only through exact.check's product pieces (half
+    # precision, quantized products): the assembly runs the check before drafting, and drafts nothing if it fails
+    pads_trees: bool = False  # a tree's products run over a measured row plan (ops.row_plan; float32 on a CPU):
+    # the assembly measures the plan, and the cost curve prices trees at the padded counts
+    row_plan: tuple[int, ...] | None = None  # that plan, once set (set_row_plan)
+    max_rows: int | None = None  # most tokens one tree forward computes exactly (llama.cpp: measured); None: any
+    steps_apart: bool = False  # single steps compute other bits than batches past some context (llama.cpp with
+    # several threads): no trees, and the engine rebuilds the context a step at a time where it ran that way
+    scratch_lengths: bool = True  # a forward may run past the committed tokens (cost curves of later contexts
+    # measured ahead); llama.cpp checks each sequence's positions and cannot
+    not_exact: str | None = None  # the probe's clause on why drafts could change the text here; None: no such finding
+    governed: bool = False  # the thread count may change mid-run through counts a probe shows give the same bits
+    # (threads.py's governor)
 
 
 class Cache(Protocol):
@@ -33,20 +59,11 @@ class Cache(Protocol):
 class Forward(Protocol):
     """A causal language model run on token ids, position by position, against a `Cache`.
 
-    Optional attributes, read with getattr(model, name, default) where a model may lack them:
-      exact_rows: bool = False  a tree's rows are computed to the bits of single steps (exact.py); the loader then
-                                runs exact.check and the heads' drafts go through it (loading.py)
-      pads_trees: bool = False  a tree's products run over ops.row_plan's counts, so the cost curve reads them
-                                (loading.py, budget.CostCurve)
-      fallback: bool = False    the transformers fallback (hfmodel.HFModel): no multi-token heads (loading.py)
-      hidden: bool = True       the hidden states are real (ggmlmodel.GgmlModel: no, so no heads)
-      max_rows: int             most tokens one tree forward computes exactly (ggmlmodel: measured at load); trees
-                                and the cost curve stay within it (engine.py, budget.py)
-      scratch_lengths: bool = True  a forward may run at cache.length past the committed tokens (the cost curve of
-                                a later context bucket, measured ahead: loading.fit_budget); llama.cpp cannot
-      model                     the wrapped LeanModel of a graphs.GraphedModel (exact.check sets its `rows`)
+    What it can do beyond this interface is its `abilities` (below): declared by each implementation, filled in by
+    its probe where the machine decides, and read as fields by the assembly, the engine, the budget and the governor.
     """
 
+    abilities: Abilities
     cfg: ModelConfig  # vocab_size, eos_token_ids, max_positions, n_layers, hidden_size ...
     device: torch.device
     dtype: torch.dtype

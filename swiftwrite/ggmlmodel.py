@@ -18,7 +18,7 @@ else: the accepted path is already at the right positions, nothing moves.
 output as one dot product over it, so a row's bits need not depend on the rows beside it; but a batch may take
 other kernels (repacked GEMMs, llamafile's tiles) than a single step. `check_rows` runs the same tokens one at a
 time, as one batch and inside a branching tree, and compares the logits bit for bit; drafting runs only where they
-agree (loading.build_engine), so speculative output stays plain decoding's.
+agree (assembly.drafting), so speculative output stays plain decoding's.
 
 **Where single steps part from batches** (`steps_apart`: with more than one thread, llama.cpp splits a single
 query's attention over 512 or more cells across its threads and a batch's not; see _check_long_context), drafting is
@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from .errors import UserError
+from .forward import Abilities
 
 MAX_ROWS = 128  # rows one llama_decode may carry (a forward over more runs in several)
 MAX_SEQS = 64  # sequence ids: the most leaves a tree of MAX_BUDGET + 1 nodes has
@@ -195,12 +196,6 @@ class GgmlCache:
 class GgmlModel:
     """A GGUF model in llama.cpp behind LeanModel's interface (see the module docstring)."""
 
-    fallback = False
-    hidden = False  # no state before the final norm: multi-token heads cannot read it
-    # a forward must follow the committed positions (llama.cpp checks each sequence's positions), so a cost curve
-    # cannot be measured at a scratch length past them: later context buckets are measured when the run gets there
-    scratch_lengths = False
-
     def __init__(self, path: Path, cfg, threads: int, flash_attn: int = 0):
         """`cfg`: the model's ModelConfig (sizes, end ids, positions), read from the store's config.json.
         `flash_attn`: llama.cpp's flash_attn_type (0 off: attention as KQ, softmax, KQV, the path probed here)."""
@@ -229,6 +224,15 @@ class GgmlModel:
         # single step's bits differ from a batch row's at long contexts here (drafting off, see the module docstring)
         self.max_rows = self.batch_rows = 1
         self.steps_apart = False
+        self.rows_note: str | None = None  # check_rows' finding: why trees could change the text here
+
+    @property
+    def abilities(self) -> Abilities:
+        """No state before the final norm (multi-token heads cannot read it). A forward must follow the committed
+        positions (llama.cpp checks each sequence's positions), so a cost curve cannot be measured at a scratch
+        length past them: later context buckets are measured when the run gets there. The rest is check_rows'."""
+        return Abilities(hidden=False, scratch_lengths=False, max_rows=self.max_rows, steps_apart=self.steps_apart,
+                         not_exact=self.rows_note)
 
     @property
     def weight_bytes(self) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError, first_line
+from .forward import Abilities
 from .hf import transformers
 from .modelconfig import ModelConfig, check_positions
 
@@ -78,7 +79,7 @@ class HFCache:
 class HFModel:
     """A transformers causal LM behind LeanModel's interface (see the module docstring)."""
 
-    fallback = True
+    abilities = Abilities()  # not the lean forward: no heads, no tensor parallelism, no governor
 
     def __init__(self, hf, cfg: ModelConfig, device, dtype):
         self.hf, self.cfg = hf, cfg

@@ -21,6 +21,7 @@ from . import exact, quant, weightfiles
 from .attention import GpuAttention, attention, norm_kernel
 from .config import ATTENTIONS
 from .errors import UserError
+from .forward import Abilities
 from .kvcache import KVCache
 from .modelconfig import SUPPORTED_ARCHS, ModelConfig, check_positions, read_hf_config
 from .ops import apply_rope, linear, rms_norm, rope_tables
@@ -44,7 +45,7 @@ class LeanModel:
         self.exact_rows = bool(quantized) or dtype in (torch.bfloat16, torch.float16)
         self.rows: dict[str, int] | None = None  # product -> piece size for trees, set by exact.check
         # float32 on a CPU: a tree's products may run over a faster row count (ops.row_plan, measured on this
-        # machine and set by loading.py before a run drafts; None: every tree over its own count). The cost curve
+        # machine and set by assembly.py before a run drafts; None: every tree over its own count). The cost curve
         # reads the same plan
         self.pads_trees = not self.exact_rows and self.device.type == "cpu" and dtype == torch.float32
         self.row_plan: list[int] | None = None
@@ -98,6 +99,19 @@ class LeanModel:
         # took bfloat16 drafts off plain output at token 72 of 500 on an H200.
         self.norm = norm_kernel().rms_norm if self.exact_rows and self.gpu.tree is not None else rms_norm
         self._alone = torch.ones(1, dtype=torch.long, device=self.device)  # a single step's ancestry in the kernel
+
+    @property
+    def abilities(self) -> Abilities:
+        return Abilities(lean=True, exact_rows=self.exact_rows, pads_trees=self.pads_trees,
+                         row_plan=tuple(self.row_plan) if self.row_plan else None, governed=True)
+
+    def set_row_plan(self, plan: list[int]) -> None:
+        """The row counts a tree's products run over (ops.row_plan, measured by the assembly): pads_trees only."""
+        self.row_plan = list(plan)
+
+    def set_pieces(self, rows: dict[str, int] | None) -> None:
+        """The product piece sizes that keep a tree's rows to a single step's bits (exact.check): exact_rows only."""
+        self.rows = rows
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.cfg, capacity, self.device, self.dtype)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
 from .errors import RankLost, UserError
+from .forward import Abilities
 from .model import KVCache, LeanModel, ModelConfig, read_hf_config
 from .weightfiles import safetensors_files
 
@@ -185,6 +186,12 @@ class Leader:
         if name == "model":
             raise AttributeError(name)
         return getattr(self.model, name)
+
+    @property
+    def abilities(self) -> Abilities:
+        # the shard's, but no thread governor: every rank keeps its fixed share of the cores (a count that changed
+        # on one rank would stall the others at each all-reduce)
+        return replace(self.model.abilities, governed=False)
 
     @property
     def cfg(self) -> ModelConfig:

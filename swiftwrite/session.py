@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,15 +28,18 @@ from . import outline as outlines
 from . import threads
 from .backends import cpu_extensions
 from .bans import MAX_RETRIES
-from .config import Config
 from .engine import SOURCES, Engine, Step
 from .errors import RankLost, UserError
-from .loading import Loaded, build_engine, fit_budget, load_weights, make_window, text_start_for
+from .curves import Curves
 from .metrics import distinct, distinct_n, distinct_per_window, longest_repeat
 from .prompt import TextStream
 from .repetition import LOOP_WARN, LoopWatch
 from .rundir import RunDir
 from .ui import QUALITY_WINDOW, WORDS_WINDOW, Display, Progress
+
+if TYPE_CHECKING:  # the types of the assembly's records, named in annotations only (it imports this module)
+    from .assembly import Loaded, Resolved
+    from .config import Config
 
 # ---------------------------------------------------------------------------------------------------------
 # Drafter state in a checkpoint
@@ -190,17 +194,22 @@ class RunStats:
 
 @dataclass
 class Session:
-    cfg: Config
-    lm: Loaded
+    """A document's turn at the engine, as assembly.open_session put it together."""
+
+    cfg: "Config"  # the run's settings as the run directory records them (`auto` resolved); never changed
+    lm: "Loaded"
     engine: Engine
     sched: outlines.Schedule | None
     display: Display
+    resolved: "Resolved | None" = None  # what the run resolved its settings to (the stats show it)
+    curves: Curves | None = None  # the automatic budget's cost curves
 
     def start(self, rd: RunDir, ids: list[int]) -> None:
         """Prefill `ids` (prompt and the tokens written so far) and fit the draft budget to the rest of the run."""
         with interrupted_before_the_loop(rd):
             self.engine.start(ids)
-            fit_budget(self.engine, self.lm, upto=len(rd.prompt_ids) + self.cfg.tokens)
+            if self.curves is not None:
+                self.curves.fit(self.engine, upto=len(rd.prompt_ids) + self.cfg.tokens)
 
     # -- what the panel, the checkpoints and the stats JSON show, all read from RunStats
 
@@ -245,6 +254,7 @@ class Session:
                if engine.bans else {}),
             "threads": torch.get_num_threads(), **({"thread_changes": gov.changes} if gov else {}),
             "tp": lm.tp,  # the ranks this text came from: resume keeps it (ranks.recorded)
+            **({"resolved": self.resolved.to_dict()} if self.resolved else {}),
             # a run continued from an edited text (rounds.py): its round, and the token where the edit began
             **({"round": rd.round, "edit_at": (rd.stats or {}).get("edit_at")} if rd.round > 1 else {}),
             # where each section's heading starts (output token index): resume checks its replay against it
@@ -395,24 +405,6 @@ def open_out(path: Path | None, append_text: str | None = None):
     if append_text:
         fh.write(append_text)
     return fh
-
-
-def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: outlines.Plan | None, display: Display) -> Session:
-    """The window over the model's positions, the weights, the engine and the outline's schedule, for a document
-    whose prompt is `prompt_len` tokens: the same for a new run and a resumed one."""
-    window = make_window(cfg, lm, prompt_len + (plan.pin_max if plan else 0), display)
-    if lm.model is None:
-        load_weights(lm, display.info)
-    cfg.backend = lm.backend  # `auto` resolved (timed on this machine): a resume keeps the backend the text came from
-    engine = build_engine(cfg, lm, window, prompt_len + cfg.tokens, display, text_start_for(cfg, prompt_len))
-    sched = schedule(engine, plan, lm, prompt_len) if plan else None
-    return Session(cfg, lm, engine, sched, display)
-
-
-def schedule(engine: Engine, plan: outlines.Plan, lm: Loaded, prompt_len: int) -> outlines.Schedule:
-    sched = outlines.Schedule(plan, outlines.ender_ids(lm.tok, lm.mcfg.vocab_size))
-    engine.pin_context(prompt_len, sched.pin_at)
-    return sched
 
 
 def plain_int(v, upper: int) -> int:

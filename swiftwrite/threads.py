@@ -25,7 +25,6 @@ import time
 import torch
 
 from .exact import probe_tree
-from .model import LeanModel
 
 EVERY = 0.25  # seconds between looks at the machine's CPU time: a look costs ~22 us; 0.25 s is 50 ticks of 2 cores
 AGREE = 2  # consecutive looks that must want the same count before it changes: one burst is not load
@@ -158,7 +157,7 @@ def governor_for(model, threads_flag: int, device_type: str) -> Governor | None:
     """The run's governor, or None: a fixed --threads, a GPU, a model outside the lean forward, a single thread,
     or a machine without /proc/stat."""
     most = torch.get_num_threads()
-    if threads_flag or device_type != "cpu" or most < 2 or not isinstance(model, LeanModel) \
+    if threads_flag or device_type != "cpu" or most < 2 or not model.abilities.governed \
             or machine_busy_seconds() is None:
         return None
     reference: list[torch.Tensor] = []

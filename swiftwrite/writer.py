@@ -4,7 +4,7 @@ It checks everything the user gave (prompt, options, paths, the model's files), 
 the prompt into token ids, drives the engine, streams text to stdout (or --out) as it comes, and checkpoints
 every `chunk` tokens. The token ids are the source of truth; text is derived from them, so a resumed run
 re-decodes instead of trusting a half-written file. The parts it drives live in prompt.py (brief to ids, ids
-to text), devices.py (device, dtype, memory) and loading.py (model and engine set-up); this module is the run.
+to text), devices.py (device, dtype, memory) and assembly.py (what runs, put together); this module is the run.
 
 The checks of the user's input come before the model is loaded; transformers is imported on first use (hf.py),
 and cli.py imports this module only when a command runs, so `--help` stays instant.
@@ -26,18 +26,15 @@ from . import ranks
 from .bans import read_ban_file
 from .config import Config
 from .config import resolve as resolve_cfg
-from .devices import pick_device
 from .edits import check_continues, check_not_edited, continue_edited, plan_of, read_edited, rebuilt_text
-from .engine import Engine
 from .errors import UsageError, UserError
-from .loading import Loaded, dry_settings, load_weights, make_window, open_model, suppressed_ids
+from .assembly import Loaded, check_device, load_weights, make_window, open_model, open_session, planning_engine
 from .prompt import apply_template, prompt_ids, read_prompt, read_source
 from .rundir import RunDir
-from .sampling import Sampler, SamplerSettings
-from .session import open_out, open_session, plain_int, unpack_state
+from .session import open_out, plain_int, unpack_state
 from .store import resolve
-from .ui import Display, dtype_name
-from .window import MIN_FREE, Window
+from .ui import Display
+from .window import MIN_FREE
 
 # ---------------------------------------------------------------------------------------------------------
 # Checks that need no model
@@ -81,7 +78,8 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
     brief = read_prompt(prompt_source)
     source = read_source(cfg.source) if cfg.source else None
     if cfg.ban_file:  # read once: the run's settings keep its phrases, so `resume` never reads it again
-        cfg.ban = (*cfg.ban, *(p for p in read_ban_file(cfg.ban_file) if p.strip() not in cfg.ban))
+        cfg = dataclasses.replace(cfg, ban=(*cfg.ban, *(p for p in read_ban_file(cfg.ban_file)
+                                                         if p.strip() not in cfg.ban))).validate()
     sections = budgets = None
     planning = cfg.plan or cfg.plan_only
     if cfg.outline:
@@ -97,10 +95,6 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
     if not cfg.plan_only:  # --plan-only writes the outline and no run
         RunDir.check_new(path)
     lm = open_model(cfg, display)
-    # The run records the dtype it really uses: `auto` may have become bfloat16 for lack of memory, and a resume
-    # must not pick another one when memory differs then.
-    cfg.dtype = dtype_name(lm.dtype)
-    cfg.weights = lm.weights  # likewise: `auto` is float today, and a resume keeps the weights the text came from
     if planning:
         # the prompt is not known before the plan: check the weights and the document's KV cache against free
         # memory now, before any weight is read, as make_window does below for runs without planning
@@ -128,7 +122,9 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
     session = open_session(cfg, lm, len(ids), plan, display)
     out = open_out(out_path)
     try:
-        rd = RunDir.create(path, cfg.to_dict(), text, ids, lm.ref.fingerprint, outline=plan.to_json() if plan else None,
+        # The run records the settings it really uses (session.cfg): `auto` may have become bfloat16 for lack of
+        # memory, the faster backend here, and a resume must not pick others when memory or the machine differ then.
+        rd = RunDir.create(path, session.cfg.to_dict(), text, ids, lm.ref.fingerprint, outline=plan.to_json() if plan else None,
                            outline_md=outlines.render(sections, budgets) if plan else "")
         try:
             ranks.report_run_dir(rd.path)
@@ -144,7 +140,7 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
             out.close()
 
 
-def _resume_config(rd: RunDir, tokens: int | None) -> Config:
+def _resume_config(rd: RunDir, tokens: int | None, tp: int) -> Config:
     try:
         cfg = resolve_cfg(None, {}, environ={}, base=rd.config)
     except UsageError as e:
@@ -152,7 +148,7 @@ def _resume_config(rd: RunDir, tokens: int | None) -> Config:
     # The target: --tokens, else the last checkpoint's (a run extended before), else the one it started with.
     saved = (rd.stats or {}).get("target")
     target = tokens if tokens is not None else saved if plain_int(saved, 1 << 62) else cfg.tokens
-    return dataclasses.replace(cfg, tokens=target).validate({"tokens": "--tokens"} if tokens is not None else None)
+    return dataclasses.replace(cfg, tokens=target, tp=tp).validate({"tokens": "--tokens"} if tokens is not None else None)
 
 
 def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool, quiet: bool, no_live: bool,
@@ -172,12 +168,11 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
             check_continues(rd, edited, new_text)
         elif out_path is not None:
             check_not_edited(rd, out_path)
-        cfg = _resume_config(rd, tokens if new_text is None else None)
+        cfg = _resume_config(rd, tokens if new_text is None else None, tp)
         written_by = ranks.recorded(rd.path)[0]
         if tp != written_by:
             display.info(f"resuming on {tp} tensor-parallel rank{'s' if tp > 1 else ''}, not the run's {written_by} "
                          "(--force): the continuation will differ from the original run.")
-        cfg.tp = tp
         if rd.recovered:
             display.info(rd.recovered)
         for w in rd.warnings:
@@ -188,7 +183,7 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
             raise UsageError(f"--tokens {tokens} is less than the {len(rd.tokens)} tokens already written; give a larger target.")
         complete = len(rd.tokens) >= cfg.tokens
         if not complete or rd.text_damaged:
-            pick_device(cfg)  # a missing GPU is reported before any model file is read
+            check_device(cfg)  # a missing GPU is reported before any model file is read
             ref = resolve(cfg.model, log=display.info)
             if ref.fingerprint != rd.fingerprint:
                 if not force:
@@ -248,12 +243,7 @@ def plan_outline(cfg: Config, lm: Loaded, brief: str, display: Display) -> list[
     if context - len(ids) < MIN_FREE:
         raise UserError(f"the brief is too long to plan an outline within the model's {lm.mcfg.max_positions} "
                         "positions; shorten it or give --outline FILE.")
-    stops = suppressed_ids(lm.tok, lm.model.cfg)
-    # Greedy, without the contextual penalty (a list repeats its numbers and newlines on purpose); DRY as set.
-    settings = SamplerSettings(temperature=0.0, penalty=1.0, suppress=(), seed=cfg.seed,
-                               dry=dry_settings(cfg, lm.tok, lm.model.cfg.vocab_size))
-    engine = Engine(lm.model, Sampler(settings, lm.model.cfg.vocab_size, lm.model.device), Window(context, len(ids)),
-                    capacity=len(ids) + most + 1, stop_ids=stops)
+    engine = planning_engine(cfg, lm, len(ids), context, capacity=len(ids) + most + 1)
     display.info(f"planning {n} sections from the brief…")
     got: list[int] = []
     with torch.inference_mode():

@@ -411,7 +411,7 @@ class Said:
 def test_float32_weights_that_do_not_fit_fall_back_to_bfloat16_and_the_run_records_it(monkeypatch, tmp_path):
     """`--dtype auto` is float32 unless its weights do not fit while half-size ones do (an 8B model on a 24 GB
     GPU); then bfloat16, said as such. An explicit float32 that does not fit is refused with what to do."""
-    from swiftwrite import devices, loading
+    from swiftwrite import devices, assembly
     from tiny import tiny_hf_model
 
     path, _ = tiny_hf_model("llama", out_dir=tmp_path / "m")
@@ -420,46 +420,46 @@ def test_float32_weights_that_do_not_fit_fall_back_to_bfloat16_and_the_run_recor
 
     def stop(ref, mcfg, device, dtype, attention, graphs):
         mcfg_bytes["f32"] = devices.weight_bytes(mcfg, torch.float32)
-        return loading.Loaded(ref, None, mcfg, device, dtype, attention=attention, cuda_graphs=graphs)
+        return assembly.Loaded(ref, None, mcfg, device, dtype, attention=attention, cuda_graphs=graphs)
 
-    monkeypatch.setattr(loading, "_loaded", stop)
+    monkeypatch.setattr(assembly, "_loaded", stop)
     said = Said()
-    lm = loading.open_model(Config(model=str(path)), said)
+    lm = assembly.open_model(Config(model=str(path)), said)
     assert lm.dtype == torch.float32 and said.lines == []
     f32 = mcfg_bytes["f32"]
     monkeypatch.setattr(devices, "_available_memory", lambda: int(f32 * 0.8))  # float32 no, bfloat16 yes
-    lm = loading.open_model(Config(model=str(path)), said)
+    lm = assembly.open_model(Config(model=str(path)), said)
     assert lm.dtype == torch.bfloat16
     assert len(said.lines) == 1 and "float32 weights" in said.lines[0] and "--dtype float32 to insist" in said.lines[0]
-    lm = loading.open_model(Config(model=str(path), dtype="float32"), Said())
+    lm = assembly.open_model(Config(model=str(path), dtype="float32"), Said())
     assert lm.dtype == torch.float32
     with pytest.raises(Exception, match="weights need .* free in RAM; use a smaller model, or --dtype bfloat16"):
-        loading.make_window(Config(), lm, 8, Said())
+        assembly.make_window(Config(), lm, 8, Said())
     monkeypatch.setattr(devices, "_available_memory", lambda: int(f32 * 0.3))  # neither fits: float32, then refused
-    lm = loading.open_model(Config(model=str(path)), Said())
+    lm = assembly.open_model(Config(model=str(path)), Said())
     assert lm.dtype == torch.float32
 
 
 def test_weights_and_kv_cache_are_checked_against_gpu_memory(monkeypatch, tmp_path):
     """On CUDA the free memory is the GPU's (torch.cuda.mem_get_info); weights already loaded are not counted
     twice. torch.cuda is asked, not used."""
-    from swiftwrite import devices, loading
+    from swiftwrite import devices, assembly
     from tiny import tiny_hf_model
 
     path, _ = tiny_hf_model("llama", out_dir=tmp_path / "m", max_position_embeddings=4096)
-    monkeypatch.setattr(loading, "_loaded", lambda ref, mcfg, device, dtype, attention, graphs:
-                        loading.Loaded(ref, None, mcfg, device, dtype, attention=attention, cuda_graphs=graphs))
+    monkeypatch.setattr(assembly, "_loaded", lambda ref, mcfg, device, dtype, attention, graphs:
+                        assembly.Loaded(ref, None, mcfg, device, dtype, attention=attention, cuda_graphs=graphs))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (80 << 30, 80 << 30))
-    lm = loading.open_model(Config(model=str(path), device="cuda", attention="torch"), Said())
+    lm = assembly.open_model(Config(model=str(path), device="cuda", attention="torch"), Said())
     assert lm.dtype == torch.bfloat16  # auto, on a GPU that computes in bfloat16
     weights = devices.weight_bytes(lm.mcfg, lm.dtype)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (weights + 10_000, 80 << 30))
     with pytest.raises(Exception, match=r"the weights .* and the KV cache .* free on the GPU; use --context \d+ or less"):
-        loading.make_window(Config(), lm, 8, Said())
+        assembly.make_window(Config(), lm, 8, Said())
     lm.model = object()  # loaded: its weights are no longer free memory, and no longer needed
     with pytest.raises(Exception, match=r"^the KV cache .* free on the GPU; use --context"):
-        loading.make_window(Config(), lm, 8, Said())
+        assembly.make_window(Config(), lm, 8, Said())
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (80 << 30, 80 << 30))
-    assert loading.make_window(Config(), lm, 8, Said()).context == 4096
+    assert assembly.make_window(Config(), lm, 8, Said()).context == 4096

@@ -210,13 +210,13 @@ def test_resume_in_the_middle_continues_with_the_same_tokens_in_bfloat16(bf16, p
 
 
 def test_a_bfloat16_run_whose_probe_fails_drafts_nothing_says_why_and_completes(bf16, monkeypatch):
-    from swiftwrite import loading
+    from swiftwrite import assembly
     from swiftwrite.config import Config
 
-    lm = loading.Loaded(None, None, bf16.cfg, "cpu", BF16, model=bf16)
+    lm = assembly.Loaded(None, None, bf16.cfg, "cpu", BF16, model=bf16)
     said = []
     display = type("D", (), {"info": staticmethod(said.append)})()
-    engine = loading.build_engine(Config(draft="recycling", dtype="bfloat16"), lm, Window(CONTEXT, 24), 100, display)
+    engine = assembly.build_engine(Config(draft="recycling", dtype="bfloat16"), lm, Window(CONTEXT, 24), 100, display)
     assert len(engine.sources) == 1
     monkeypatch.setattr(exact, "_cache", {})
     monkeypatch.setattr(bf16, "rows", None)
@@ -224,7 +224,7 @@ def test_a_bfloat16_run_whose_probe_fails_drafts_nothing_says_why_and_completes(
     monkeypatch.setattr(exact, "_mm", lambda w, x, pad=False: real(x, Drifting(w, start=2))
                         if isinstance(w, torch.Tensor) else real(x, w))
     said.clear()
-    engine = loading.build_engine(Config(draft="recycling", dtype="bfloat16"), lm, Window(CONTEXT, 24), 100, display)
+    engine = assembly.build_engine(Config(draft="recycling", dtype="bfloat16"), lm, Window(CONTEXT, 24), 100, display)
     assert len(engine.sources) == 0
     assert any(s.startswith("--dtype bfloat16: ") and "among 2 rows than alone" in s and "as --draft none" in s
                for s in said), said
@@ -240,25 +240,25 @@ REAL_N = 300
 
 @pytest.fixture(scope="module")
 def real_bf16(default_model_dir):
-    from swiftwrite import loading, prompt as prompt_mod
+    from swiftwrite import assembly, prompt as prompt_mod
     from swiftwrite.config import Config
     from swiftwrite.ui import Display
 
-    lm = loading.load(Config(model=str(default_model_dir), dtype="bfloat16"), Display("quiet"))
+    lm = assembly.load(Config(model=str(default_model_dir), dtype="bfloat16"), Display("quiet"))
     brief = "Write a long story about a lighthouse keeper who finds a message in a bottle."
     ids = prompt_mod.prompt_ids(lm.tok, prompt_mod.apply_template(brief, "novel"), False)
     return lm, ids
 
 
 def real_run(lm, ids, sampler: dict, **draft):
-    from swiftwrite import loading
+    from swiftwrite import assembly
     from swiftwrite.config import Config
     from swiftwrite.ui import Display
 
     cfg = Config(dtype="bfloat16", context=256, tokens=REAL_N, seed=7, **sampler, **draft).validate()
-    engine = loading.build_engine(cfg, lm, len(ids), len(ids) + REAL_N, Display("quiet"))
+    engine = assembly.build_engine(cfg, lm, len(ids), len(ids) + REAL_N, Display("quiet"))
     engine.start(ids)
-    loading.fit_budget(engine, lm, cfg, Display("quiet"), upto=len(ids) + REAL_N)
+    assembly.fit_budget(engine, lm, cfg, Display("quiet"), upto=len(ids) + REAL_N)
     steps = list(engine.run(REAL_N))
     return [t for s in steps for t in s.tokens], steps
 

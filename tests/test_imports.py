@@ -21,17 +21,17 @@ LAYERS = [
     # ops: arithmetic, KV caches, attention kernels, quantized kernels, weights on disk, exactness, the forward interface
     ["ops", "kvcache", "draftcache", "attention", "quant", "weightfiles", "exact", "forward"],
     # models: the implementations of forward.Forward, and the wrappers around the lean one
-    ["model", "hfmodel", "ggmlmodel", "graphs", "parallel"],
+    ["model", "hfmodel", "ggmlmodel", "graphs", "parallel", "modelfiles"],
     # decoding pieces: sampling and penalties, draft trees and sources, the context window, the cost curve
-    ["repetition", "bans", "sampling", "tree", "drafting", "ngram", "recycling", "heads", "window", "budget"],
+    ["repetition", "bans", "sampling", "tree", "drafting", "ngram", "recycling", "heads", "window", "budget", "vocab"],
     # the engine: token ids in, token ids and step statistics out
-    ["engine"],
+    ["engine", "curves"],
     # run I/O the loader and the writer share: prompts to ids, the run directory, the panel, statistics
     ["durable", "rounds", "prompt", "rundir", "ui", "metrics"],
     # loading: the model store, device and threads, ranks, model + engine assembled; training heads
-    ["store", "devices", "threads", "ranks", "backends", "peers", "loading", "headdata", "train_heads"],
+    ["store", "devices", "threads", "ranks", "backends", "peers", "headdata", "train_heads"],
     # the writer (and the bench harness beside it): outlines, a session of the run loop, prompt in, document out
-    ["outline", "session", "edits", "writer", "bench"],
+    ["outline", "session", "assembly", "edits", "writer", "bench"],
     # the command line
     ["cli", "__main__", "__init__"],
 ]

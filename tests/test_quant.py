@@ -287,14 +287,14 @@ def test_a_file_of_an_older_format_is_replaced_and_removed(tiny):
 
 def test_speculation_is_switched_off_with_a_sentence_where_the_kernels_rows_depend_on_the_row_count(quantized,
                                                                                                    monkeypatch):
-    from swiftwrite import loading
+    from swiftwrite import assembly
     from swiftwrite.config import Config
 
     model = quantized["int8"]
-    lm = loading.Loaded(None, None, model.cfg, "cpu", torch.float32, model=model, weights="int8")
+    lm = assembly.Loaded(None, None, model.cfg, "cpu", torch.float32, model=model, weights="int8")
     said = []
     display = type("D", (), {"info": staticmethod(said.append)})()
-    engine = loading.build_engine(Config(draft="recycling"), lm, Window(CONTEXT, 24), 100, display)
+    engine = assembly.build_engine(Config(draft="recycling"), lm, Window(CONTEXT, 24), 100, display)
     assert exact.check(model) is None and len(engine.sources) == 1  # this machine: invariant
     assert model.rows == {k: exact.MAX_ROWS for k in ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")}
     real = quant.Int8Weight.mm
@@ -305,7 +305,7 @@ def test_speculation_is_switched_off_with_a_sentence_where_the_kernels_rows_depe
     monkeypatch.setattr(quant.Int8Weight, "mm", drifting)
     monkeypatch.setattr(exact, "_cache", {})  # the measurements above were of the real kernel
     said.clear()
-    engine = loading.build_engine(Config(draft="recycling"), lm, Window(CONTEXT, 24), 100, display)
+    engine = assembly.build_engine(Config(draft="recycling"), lm, Window(CONTEXT, 24), 100, display)
     assert len(engine.sources) == 0
     assert any("among 2 rows than alone" in s and "as --draft none" in s for s in said), said
 

@@ -151,17 +151,17 @@ def test_the_default_model_reads_as_transformers_reads_it(default_model_dir):
 def test_auto_runs_a_gguf_on_its_own_bits_when_its_float_weights_do_not_fit(tmp_path, home, monkeypatch):
     """An 8B Q4 GGUF on a 24 GB machine: float32 cannot load, so `--weights auto` takes the GGUF's own bits and
     says why; with room for float32 it stays float (README "Quantized weights"), naming the faster setting."""
-    from swiftwrite import loading
+    from swiftwrite import assembly
     from swiftwrite.config import Config
     from swiftwrite.ui import Display
 
     gguf = write_gguf(tmp_path / "m.gguf")
     assert store.gguf_weight_type(gguf) == "Q4_0"
-    monkeypatch.setattr(loading, "free_memory", lambda device: 1 << 40)
-    roomy = loading.open_model(Config(model=str(gguf)), Display("quiet"))
+    monkeypatch.setattr(assembly, "free_memory", lambda device: 1 << 40)
+    roomy = assembly.open_model(Config(model=str(gguf)), Display("quiet"))
     assert roomy.weights == "float" and "--weights int4" in roomy.weights_note
-    monkeypatch.setattr(loading, "free_memory", lambda device: 100_000)  # less than the tiny model's float32
-    tight = loading.open_model(Config(model=str(gguf)), Display("quiet"))
+    monkeypatch.setattr(assembly, "free_memory", lambda device: 100_000)  # less than the tiny model's float32
+    tight = assembly.open_model(Config(model=str(gguf)), Display("quiet"))
     assert tight.weights == "int4" and "do not fit" in tight.weights_note
-    asked = loading.open_model(Config(model=str(gguf), weights="float"), Display("quiet"))
+    asked = assembly.open_model(Config(model=str(gguf), weights="float"), Display("quiet"))
     assert asked.weights == "float"

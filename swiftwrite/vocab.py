@@ -1,0 +1,42 @@
+"""What the sampler needs to know of the tokenizer's vocabulary, as token ids: the ids that end a text, the ids
+whose text holds a DRY breaker, and every id's bytes (for banned phrases). Each scan of the whole vocabulary is done
+once per tokenizer, not once per engine (bench and the long-run probe build one engine per method).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .bans import token_bytes
+
+END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
+
+
+def suppressed_ids(tok, mcfg) -> tuple[int, ...]:
+    """The ids that end a text: the model configuration's, the tokenizer's end and pad ids, and the chat formats'
+    end tokens this vocabulary has. Without a tokenizer (ids-only callers such as bench/gpu_check.py with random
+    weights): the configuration's."""
+    ids = set(mcfg.eos_token_ids)
+    if tok is None:
+        return tuple(sorted(ids))
+    for t in (tok.eos_token_id, getattr(tok, "pad_token_id", None)):
+        if t is not None:
+            ids.add(int(t))
+    for name in END_TOKENS:
+        t = tok.convert_tokens_to_ids(name) if name in tok.get_vocab() else None
+        if t is not None:
+            ids.add(int(t))
+    return tuple(sorted(ids))
+
+
+@functools.lru_cache(maxsize=4)
+def breaker_ids(tok, strings: tuple[str, ...], vocab: int) -> tuple[int, ...]:
+    """Every id whose text holds one of `strings` (a newline is inside "\\n\\n" and ".\\n" tokens too). Decoding the
+    whole vocabulary takes ~0.4 s."""
+    texts = tok.batch_decode([[i] for i in range(min(vocab, len(tok)))])
+    return tuple(i for i, t in enumerate(texts) if any(b in t for b in strings))
+
+
+@functools.lru_cache(maxsize=4)
+def vocab_bytes(tok, vocab: int) -> list[bytes]:
+    return token_bytes(tok, vocab)
