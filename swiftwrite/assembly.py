@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from .model import load_lean
 from .modelconfig import SUPPORTED_ARCHS, ModelConfig
 from .modelfiles import check_gguf_header, load_tokenizer, model_config
 from .parallel import check_divides
+from .records import Loaded, Resolved
 from .repetition import DrySettings
 from .sampling import Sampler, SamplerSettings
 from .session import Session
@@ -49,50 +49,6 @@ from .window import Window
 
 # ---------------------------------------------------------------------------------------------------------
 # What runs
-
-
-@dataclass
-class Loaded:
-    """The model as it is opened, then loaded: what the later steps of the assembly read."""
-
-    ref: ModelRef
-    tok: object
-    mcfg: "ModelConfig"  # from config.json, known before the weights are read
-    device: str
-    dtype: "torch.dtype"
-    model: "Forward | None" = None  # set by load_weights(), after every cheaper check has passed
-    attention: str = "auto"  # config.ATTENTIONS
-    cuda_graphs: bool = False  # wrap the lean model in graphs.GraphedModel (checked: CUDA and the tree kernel)
-    weights: str = "float"  # config.WEIGHTS resolved: float, int8 or int4
-    tp: int = 1  # tensor-parallel ranks (this process is rank 0 of them when > 1: ranks.py)
-    # said once the run starts (after every check of the input, so a refusal stays one sentence)
-    weights_note: str | None = None
-    backend: str = "torch"  # torch | ggml (backends.py); auto until load_weights has timed both
-    threads: int = 0  # CPU threads, fixed; 0: torch's default, governed by load (threads.py)
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """What a run resolved its settings to, once, before the first token."""
-
-    model: str  # the model's name in the store (or its path)
-    fingerprint: str
-    device: str
-    dtype: str
-    weights: str  # float, int8, int4
-    backend: str  # torch, ggml
-    attention: str
-    cuda_graphs: bool
-    threads: int  # 0: governed by load
-    tp: int
-    context: int  # tokens the model attends to
-    drafting: tuple[str, ...]  # the draft sources that run
-    budget: str  # draft nodes per step: a number, "auto", or "none"
-    drafting_off: str | None  # why drafting does not run although it was asked for, in a sentence
-    bans: int  # banned phrases
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def check_device(cfg: Config) -> None:

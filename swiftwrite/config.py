@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from .errors import UsageError
-from .options import BY_NAME, OPTIONS
+from .options import ATTENTIONS, BY_NAME, OPTIONS
 
 DRAFT_CHOICES = ("none", "recycling", "ngram", "heads", "all")
 HEAD_MODES = ("fused", "two-pass")
@@ -32,9 +32,6 @@ WEIGHTS = ("auto", "float", "int8", "int4")
 # which forward runs the model: torch (ours), ggml (llama.cpp's kernels on a GGUF, ggmlmodel.py), auto (measured
 # once per model and machine, backends.py)
 BACKENDS = ("auto", "torch", "ggml")
-# auto: on CUDA the Triton tree kernel for trees and flash-attn for prefill/decoding where installed, torch
-# on the CPU; torch: torch everywhere; triton / flash: ask for that kernel (a notice and torch if it can't run)
-ATTENTIONS = ("auto", "torch", "triton", "flash")
 MIN_LOOP = 16  # shortest --stop-on-loop: the loop tracker's floor (repetition.Repeats min_len of the alarm)
 MAX_SECTIONS = 200  # outline.MAX_SECTIONS, repeated so that reading options stays light
 MAX_TOKENS = 10_000_000  # far past any model's usefulness; catches a typo'd extra zero or two

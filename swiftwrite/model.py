@@ -19,12 +19,12 @@ import torch.nn.functional as F
 
 from . import exact, quant, weightfiles
 from .attention import GpuAttention, attention, norm_kernel
-from .config import ATTENTIONS
 from .errors import UserError
 from .forward import Abilities
 from .kvcache import KVCache
 from .modelconfig import SUPPORTED_ARCHS, ModelConfig, check_positions, read_hf_config
 from .ops import apply_rope, linear, rms_norm, rope_tables
+from .options import ATTENTIONS
 
 
 class LeanModel:

@@ -13,6 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# auto: on CUDA the Triton tree kernel for trees and flash-attn for prefill/decoding where installed, torch
+# on the CPU; torch: torch everywhere; triton / flash: ask for that kernel (a notice and torch if it can't run).
+# Here rather than in config.py: the lean forward checks its argument against it without importing the configuration
+ATTENTIONS = ("auto", "torch", "triton", "flash")
+
+
 @dataclass(frozen=True)
 class Option:
     name: str  # the Config field; the flag is --name with dashes, the variable SWIFTWRITE_NAME

@@ -33,12 +33,12 @@ from .errors import RankLost, UserError
 from .curves import Curves
 from .metrics import distinct, distinct_n, distinct_per_window, longest_repeat
 from .prompt import TextStream
+from .records import Loaded, Resolved
 from .repetition import LOOP_WARN, LoopWatch
 from .rundir import RunDir
 from .ui import QUALITY_WINDOW, WORDS_WINDOW, Display, Progress
 
-if TYPE_CHECKING:  # the types of the assembly's records, named in annotations only (it imports this module)
-    from .assembly import Loaded, Resolved
+if TYPE_CHECKING:  # named in annotations only: the session reads the settings the assembly built, never edits them
     from .config import Config
 
 # ---------------------------------------------------------------------------------------------------------
@@ -197,11 +197,11 @@ class Session:
     """A document's turn at the engine, as assembly.open_session put it together."""
 
     cfg: "Config"  # the run's settings as the run directory records them (`auto` resolved); never changed
-    lm: "Loaded"
+    lm: Loaded
     engine: Engine
     sched: outlines.Schedule | None
     display: Display
-    resolved: "Resolved | None" = None  # what the run resolved its settings to (the stats show it)
+    resolved: Resolved | None = None  # what the run resolved its settings to (the stats show it)
     curves: Curves | None = None  # the automatic budget's cost curves
 
     def start(self, rd: RunDir, ids: list[int]) -> None:

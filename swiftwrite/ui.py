@@ -204,6 +204,12 @@ class Display:
         if stats.get("stopped"):
             t.add_row("stopped", str(stats["stopped"]))
         t.add_row("peak memory", human_bytes(stats.get("peak_rss_bytes", 0)))
+        if stats.get("resolved"):  # what the run resolved its settings to (assembly.Resolved)
+            r = stats["resolved"]
+            t.add_row("ran on", f"{r['backend']}, {r['device']}/{r['dtype']}, {r['weights']} weights, "
+                                f"{r['threads'] or 'governed'} threads, {r['context']}-token context")
+            t.add_row("drafting", ", ".join(r["drafting"]) + f" (budget {r['budget']})" if r["drafting"]
+                      else "off: " + r["drafting_off"] if r["drafting_off"] else "none")
         if self.mode == "live":
             self.console.print(t)
         else:

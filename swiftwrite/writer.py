@@ -75,40 +75,16 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
              stats_json: Path | None) -> int:
     display = Display(Display.choose(quiet, no_live))
     # Cheapest first: what the user typed, then the model's files, then its weights.
-    brief = read_prompt(prompt_source)
-    source = read_source(cfg.source) if cfg.source else None
-    if cfg.ban_file:  # read once: the run's settings keep its phrases, so `resume` never reads it again
-        cfg = dataclasses.replace(cfg, ban=(*cfg.ban, *(p for p in read_ban_file(cfg.ban_file)
-                                                         if p.strip() not in cfg.ban))).validate()
-    sections = budgets = None
-    planning = cfg.plan or cfg.plan_only
-    if cfg.outline:
-        where = f"--outline {cfg.outline}"
-        sections = outlines.parse(outlines.read_outline(cfg.outline), where)
-        budgets = outlines.allocate(sections, cfg.tokens, where)
-    elif planning and cfg.sections * outlines.MIN_SECTION > cfg.tokens:
-        raise UsageError(f"--sections {cfg.sections} leaves fewer than {outlines.MIN_SECTION} of --tokens {cfg.tokens} "
-                         "per section; ask for fewer sections or more tokens.")
+    cfg, brief, source, sections, budgets = _read_input(cfg, prompt_source)
     check_writable(out_path, "--out")
     check_writable(stats_json, "--stats-json")
     path = run_dir if run_dir is not None else default_run_dir(brief)
     if not cfg.plan_only:  # --plan-only writes the outline and no run
         RunDir.check_new(path)
     lm = open_model(cfg, display)
-    if planning:
-        # the prompt is not known before the plan: check the weights and the document's KV cache against free
-        # memory now, before any weight is read, as make_window does below for runs without planning
-        make_window(cfg, lm, 0, Display("quiet"))  # its notices come once, below
-        load_weights(lm, display.info)
-        sections = plan_outline(cfg, lm, brief, display)
+    if cfg.plan or cfg.plan_only:
+        sections = _plan(cfg, lm, brief, out_path, display)
         if cfg.plan_only:
-            fh = open_out(out_path)
-            try:
-                fh.write(outlines.render(sections))
-                fh.flush()
-            finally:
-                if fh is not sys.stdout:
-                    fh.close()
             return 0
         budgets = outlines.allocate(sections, cfg.tokens, "the planned outline")
     text = apply_template(outlines.with_outline(brief, sections) if sections else brief, cfg.template, source)
@@ -136,8 +112,48 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
         finally:
             rd.close()
     finally:
-        if out is not sys.stdout:
-            out.close()
+        _close(out)
+
+
+def _read_input(cfg: Config, prompt_source: str):
+    """The brief, the source document, the ban file's phrases (in a new configuration) and the outline, each checked
+    before anything else: (cfg, brief, source, sections, budgets)."""
+    brief = read_prompt(prompt_source)
+    source = read_source(cfg.source) if cfg.source else None
+    if cfg.ban_file:  # read once: the run's settings keep its phrases, so `resume` never reads it again
+        cfg = dataclasses.replace(cfg, ban=(*cfg.ban, *(p for p in read_ban_file(cfg.ban_file)
+                                                         if p.strip() not in cfg.ban))).validate()
+    sections = budgets = None
+    if cfg.outline:
+        where = f"--outline {cfg.outline}"
+        sections = outlines.parse(outlines.read_outline(cfg.outline), where)
+        budgets = outlines.allocate(sections, cfg.tokens, where)
+    elif (cfg.plan or cfg.plan_only) and cfg.sections * outlines.MIN_SECTION > cfg.tokens:
+        raise UsageError(f"--sections {cfg.sections} leaves fewer than {outlines.MIN_SECTION} of --tokens {cfg.tokens} "
+                         "per section; ask for fewer sections or more tokens.")
+    return cfg, brief, source, sections, budgets
+
+
+def _plan(cfg: Config, lm: Loaded, brief: str, out_path: Path | None, display: Display) -> list[outlines.Section]:
+    """--plan / --plan-only: the model's outline (--plan-only writes it as the output)."""
+    # the prompt is not known before the plan: check the weights and the document's KV cache against free
+    # memory now, before any weight is read, as make_window does for runs without planning
+    make_window(cfg, lm, 0, Display("quiet"))  # its notices come once, in open_session
+    load_weights(lm, display.info)
+    sections = plan_outline(cfg, lm, brief, display)
+    if cfg.plan_only:
+        fh = open_out(out_path)
+        try:
+            fh.write(outlines.render(sections))
+            fh.flush()
+        finally:
+            _close(fh)
+    return sections
+
+
+def _close(fh) -> None:
+    if fh is not sys.stdout:
+        fh.close()
 
 
 def _resume_config(rd: RunDir, tokens: int | None, tp: int) -> Config:
@@ -163,70 +179,86 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
         check_writable(edited, "--edited")
     rd = RunDir.open(run_dir)
     try:
-        ranks.report_run_dir(rd.path)
-        if new_text is not None:
-            check_continues(rd, edited, new_text)
-        elif out_path is not None:
-            check_not_edited(rd, out_path)
-        cfg = _resume_config(rd, tokens if new_text is None else None, tp)
-        written_by = ranks.recorded(rd.path)[0]
-        if tp != written_by:
-            display.info(f"resuming on {tp} tensor-parallel rank{'s' if tp > 1 else ''}, not the run's {written_by} "
-                         "(--force): the continuation will differ from the original run.")
-        if rd.recovered:
-            display.info(rd.recovered)
-        for w in rd.warnings:
-            display.info(w)
+        cfg = _opened_run(rd, tokens, out_path, tp, edited, new_text, display)
         if new_text is not None:
             return continue_edited(cfg, rd, edited, new_text, tokens, out_path, force, display, stats_json)
         if tokens is not None and tokens < len(rd.tokens):
             raise UsageError(f"--tokens {tokens} is less than the {len(rd.tokens)} tokens already written; give a larger target.")
         complete = len(rd.tokens) >= cfg.tokens
-        if not complete or rd.text_damaged:
-            check_device(cfg)  # a missing GPU is reported before any model file is read
-            ref = resolve(cfg.model, log=display.info)
-            if ref.fingerprint != rd.fingerprint:
-                if not force:
-                    raise UserError(f"{run_dir} was written with another model (fingerprint {rd.fingerprint}, now "
-                                    f"{ref.fingerprint}); resuming would not continue the same text. "
-                                    "Use --force to do it anyway.")
-                display.info("resuming with a different model (--force): the continuation will differ from the original run.")
-            lm = open_model(cfg, display, ref)
-            if rd.text_damaged:
-                rd.replace_text(rebuilt_text(rd, lm.tok))
-                if complete:
-                    rd.checkpoint(rd.stats, rd.drafter_state(), finished=rd.finished)
-                display.info("output.txt was damaged and has been rebuilt from the token ids.")
+        lm = _reopen_model(cfg, rd, force, complete, display) if not complete or rd.text_damaged else None
         if complete:
             display.info(f"{run_dir} is already complete ({len(rd.tokens)} tokens); pass --tokens N to write more.")
             if out_path is not None:
                 open_out(out_path, (rd.path / "output.txt").read_text(encoding="utf-8")).close()
             return 0
-        plan = plan_of(rd)
-        session = open_session(cfg, lm, len(rd.prompt_ids), plan, display)
-        if session.sched:
-            try:
-                session.sched.replay(rd.tokens)
-            except ValueError as e:
-                raise UserError(f"the tokens in {rd.path} do not follow its outline ({e}); "
-                                "the run cannot be resumed exactly.") from None
-            saved = (rd.stats.get("sections") or {}).get("starts")
-            if isinstance(saved, list) and saved != session.sched.starts:
-                raise UserError(f"the section boundaries recorded in {rd.path} ({saved}) differ from where its tokens "
-                                f"put them ({session.sched.starts}); the run cannot be resumed exactly.")
-        for w in session.engine.load_drafter_state(unpack_state(rd.drafter_state())):
-            display.info(w)
-        session.start(rd, rd.prompt_ids + rd.tokens)
-        display.info(f"resuming {rd.path} at {len(rd.tokens)}/{cfg.tokens} tokens")
-        existing = (rd.path / "output.txt").read_text(encoding="utf-8") if out_path is not None else None
-        out = open_out(out_path, existing)
-        try:
-            return session.write(rd, out, stats_json)
-        finally:
-            if out is not sys.stdout:
-                out.close()
+        return _continue(cfg, lm, rd, out_path, stats_json, display)
     finally:
         rd.close()
+
+
+def _opened_run(rd: RunDir, tokens: int | None, out_path: Path | None, tp: int, edited: Path | None,
+                new_text: str | None, display: Display) -> Config:
+    """The checks of an opened run directory against what was asked, and its settings for this resume."""
+    ranks.report_run_dir(rd.path)
+    if new_text is not None:
+        check_continues(rd, edited, new_text)
+    elif out_path is not None:
+        check_not_edited(rd, out_path)
+    cfg = _resume_config(rd, tokens if new_text is None else None, tp)
+    written_by = ranks.recorded(rd.path)[0]
+    if tp != written_by:
+        display.info(f"resuming on {tp} tensor-parallel rank{'s' if tp > 1 else ''}, not the run's {written_by} "
+                     "(--force): the continuation will differ from the original run.")
+    if rd.recovered:
+        display.info(rd.recovered)
+    for w in rd.warnings:
+        display.info(w)
+    return cfg
+
+
+def _reopen_model(cfg: Config, rd: RunDir, force: bool, complete: bool, display: Display) -> Loaded:
+    """The run's model, checked against the one that wrote it; a damaged output.txt rebuilt from the ids."""
+    check_device(cfg)  # a missing GPU is reported before any model file is read
+    ref = resolve(cfg.model, log=display.info)
+    if ref.fingerprint != rd.fingerprint:
+        if not force:
+            raise UserError(f"{rd.path} was written with another model (fingerprint {rd.fingerprint}, now "
+                            f"{ref.fingerprint}); resuming would not continue the same text. "
+                            "Use --force to do it anyway.")
+        display.info("resuming with a different model (--force): the continuation will differ from the original run.")
+    lm = open_model(cfg, display, ref)
+    if rd.text_damaged:
+        rd.replace_text(rebuilt_text(rd, lm.tok))
+        if complete:
+            rd.checkpoint(rd.stats, rd.drafter_state(), finished=rd.finished)
+        display.info("output.txt was damaged and has been rebuilt from the token ids.")
+    return lm
+
+
+def _continue(cfg: Config, lm: Loaded, rd: RunDir, out_path: Path | None, stats_json: Path | None,
+              display: Display) -> int:
+    """The session of a resumed run: its outline replayed to where the tokens are, its drafters' state, the rest."""
+    session = open_session(cfg, lm, len(rd.prompt_ids), plan_of(rd), display)
+    if session.sched:
+        try:
+            session.sched.replay(rd.tokens)
+        except ValueError as e:
+            raise UserError(f"the tokens in {rd.path} do not follow its outline ({e}); "
+                            "the run cannot be resumed exactly.") from None
+        saved = (rd.stats.get("sections") or {}).get("starts")
+        if isinstance(saved, list) and saved != session.sched.starts:
+            raise UserError(f"the section boundaries recorded in {rd.path} ({saved}) differ from where its tokens "
+                            f"put them ({session.sched.starts}); the run cannot be resumed exactly.")
+    for w in session.engine.load_drafter_state(unpack_state(rd.drafter_state())):
+        display.info(w)
+    session.start(rd, rd.prompt_ids + rd.tokens)
+    display.info(f"resuming {rd.path} at {len(rd.tokens)}/{cfg.tokens} tokens")
+    existing = (rd.path / "output.txt").read_text(encoding="utf-8") if out_path is not None else None
+    out = open_out(out_path, existing)
+    try:
+        return session.write(rd, out, stats_json)
+    finally:
+        _close(out)
 
 
 # ---------------------------------------------------------------------------------------------------------

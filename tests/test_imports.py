@@ -29,7 +29,7 @@ LAYERS = [
     # run I/O the loader and the writer share: prompts to ids, the run directory, the panel, statistics
     ["durable", "rounds", "prompt", "rundir", "ui", "metrics"],
     # loading: the model store, device and threads, ranks, model + engine assembled; training heads
-    ["store", "devices", "threads", "ranks", "backends", "peers", "headdata", "train_heads"],
+    ["store", "devices", "threads", "ranks", "backends", "peers", "records", "headdata", "train_heads"],
     # the writer (and the bench harness beside it): outlines, a session of the run loop, prompt in, document out
     ["outline", "session", "assembly", "edits", "writer", "bench"],
     # the command line
