@@ -18,11 +18,12 @@ import torch
 from . import backends
 from . import budget as budget_mod
 from . import ranks
+from .autobudget import COST_BUCKET
 from .bans import Bans, PhraseError, check_phrases, token_bytes
 from .budget import MAX_BUDGET
 from .config import Config, breaker_strings
 from .devices import attention_notes, fit_dtype, free_memory, pick_device, pick_weights, quantized_option, weight_bytes
-from .engine import COST_BUCKET, SOURCES, Engine, make_sources
+from .engine import SOURCES, Engine, make_sources
 from .errors import UserError, first_line
 from .exact import check
 from .forward import Forward
@@ -426,9 +427,7 @@ def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display:
                                         lambda: budget_mod.measure(lm.model, cache))
         return curve.padded(plan) if plan else curve
 
-    engine.cost_at = cost_at
-    engine.cost = cost_at(engine.cache)
-    engine._cost_bucket = engine.cache.length // COST_BUCKET
+    engine.auto.use_costs(cost_at, engine.cache)
     if upto and bucketed:
         cache, length = engine.cache, engine.cache.length
         try:
