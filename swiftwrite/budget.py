@@ -64,8 +64,8 @@ def best_budget(scores: list[float], cost: CostCurve, cap: int = MAX_BUDGET, sca
                 extra: float = 0.0) -> int:
     """argmax_B (1 + scale * sum of the B best scores) / (cost(B + 1) + extra if B else cost(1)), B in least..cap
     (0 when there are fewer than `least` scores). `scale` calibrates the estimates against what verification
-    actually accepted (Engine.calibration); `extra` is the engine's own time a verified tree adds to a step beyond
-    a resting one's, in seconds (Engine.extra)."""
+    actually accepted (AutoBudget.calibration); `extra` is the engine's own time a verified tree adds to a step
+    beyond a resting one's, in seconds (AutoBudget.extra)."""
     p = np.asarray(sorted(scores, reverse=True)[:cap], dtype=np.float64)
     gain = np.empty(len(p) + 1)
     gain[0] = 0.0

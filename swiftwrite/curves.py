@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import budget as budget_mod
-from .engine import COST_BUCKET
+from .autobudget import COST_BUCKET
 
 
 @dataclass(frozen=True)
@@ -33,20 +33,19 @@ class Curves:
         """Give an automatic-budget engine its curves: the current bucket's now, and with `upto` (the longest
         context this run will reach) every later bucket's too. Engines that draft nothing or at a fixed budget
         need none."""
-        if not engine.sources or engine.budget is not None:
+        if engine.auto is None:  # drafts nothing, or at a fixed budget
             return
-        engine.cost_at = lambda cache: self.at(engine.model, cache)
-        engine.cost = engine.cost_at(engine.cache)
-        engine._cost_bucket = engine.cache.length // COST_BUCKET
+        cost_at = lambda cache: self.at(engine.model, cache)  # noqa: E731
+        engine.auto.use_costs(cost_at, engine.cache)
         if upto and self.bucketed:
-            self._measure_ahead(engine, upto)
+            self._measure_ahead(engine, upto, cost_at)
 
-    def _measure_ahead(self, engine, upto: int) -> None:
+    def _measure_ahead(self, engine, upto: int, cost_at) -> None:
         cache, length = engine.cache, engine.cache.length
         try:
             last = min(upto, engine.window.context, cache.capacity - budget_mod.SIZES[-1]) // COST_BUCKET
             for bucket in range(length // COST_BUCKET + 1, last + 1):
                 cache.length = bucket * COST_BUCKET  # scratch slots past the committed ones: timing only
-                engine.cost_at(cache)
+                cost_at(cache)
         finally:
             cache.length = length

@@ -11,38 +11,25 @@ State between steps: `S` (every token so far, prompt included) and a KV cache ho
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from statistics import median
 
 import numpy as np
 import torch
 
+from .autobudget import AutoBudget
 from .bans import Bans
-from .budget import MAX_BUDGET, CostCurve, best_budget
+from .budget import MAX_BUDGET, CostCurve
 from .drafting import MAX_DEPTH, AcceptanceStats, DraftSource
 from .forward import Forward
 from .ngram import NgramDrafter
 from .recycling import RecyclingDrafter
 from .sampling import Sampler
-from .tree import DraftTree, walk
+from .tree import DraftTree, Flat, walk
 from .window import Window
 
 SOURCES = ("recycling", "ngram", "heads")
 PREFILL_CHUNK = 256
 TOPK = 8  # next-token candidates per node handed to the sources
-COST_BUCKET = 1024  # context growth (tokens) after which the cost curve is measured again (attention grows)
-CALIBRATION_PRIOR = 2.0  # pseudo-tokens on both sides of the calibration ratio: starts at 1.0
-CALIBRATION_DECAY = 0.99  # per verified or shadow-checked tree: the ratio follows the last ~100 of them
-CHECK_EVERY = 4  # while resting, the cheap sources propose (and the tree is shadow-checked) every 4th step only;
-# the other resting steps are quiet: no proposals, no budget, and the recycling matrix is not updated from their
-# forward (a top-k over the whole vocabulary each step). Only the n-gram table keeps counting. A repetition waits at
-# most 3 steps; the matrix learns on check steps and on every step once drafting pays
-EXPLORE_EVERY = 16  # steps of budget 0 after which the costly sources propose again, into a shadow check
-# ... doubled after each such look where none of their drafts is accepted, up to EXPLORE_MAX (a look costs the
-# heads' work: their state update and proposals)
-EXPLORE_MAX = 128
-TIMED = 8  # steps of each kind (resting, verifying a tree) whose median is the engine's own time for that kind
 
 
 @dataclass
@@ -83,7 +70,7 @@ class Engine:
         window: Window,
         sources: list[DraftSource] = (),
         stats: AcceptanceStats | None = None,
-        budget: int | None = None,  # draft nodes per step; None = chosen per step from `cost`
+        budget: int | None = None,  # draft nodes per step; None = chosen per step from `cost` (autobudget.py)
         cost: CostCurve | None = None,
         capacity: int = 0,  # tokens S will hold (prompt + target); the buffer is sized once
         stop_ids: tuple[int, ...] = (),  # end the run when one of these is committed (--stop-at-eos)
@@ -96,9 +83,8 @@ class Engine:
         self.sources = list(sources)
         self.stats = stats
         self.budget = budget
-        self.cost = cost
-        self.cost_at = cost_at
-        self._cost_bucket = -1
+        # the automatic budget (autobudget.py), there when the sources draft and no budget is fixed
+        self.auto = AutoBudget(stats, self.sources, cost, cost_at) if budget is None and self.sources else None
         self.stop_ids = set(stop_ids)
         self.bans = bans
         self.final = 0  # with bans: tokens before it are final; the ones after may still be taken back
@@ -113,26 +99,6 @@ class Engine:
         self.tree = DraftTree()
         self.forwards = 0
         self.stopped = False
-        self._idle = 0  # consecutive steps with an automatic budget of 0
-        self._explore_every = EXPLORE_EVERY  # resting steps before the costly sources look again
-        # Shadow checks of resting steps' trees, waiting for the tokens that decide them: (n at that step, tokens,
-        # parents, depths, ranks, sum of scores, whether it was a look).
-        self._shadows: list[tuple] = []
-        # Calibration of the automatic budget: accepted draft tokens vs the sum of the verified (or, while
-        # resting, shadow-checked) nodes' estimates, decayed. The per-(source, depth, rank) rates are fitted on
-        # the nodes that got checked, and the best-scoring nodes of a step are exactly the ones whose estimates
-        # came out high by chance (and a node several sources proposed keeps the highest), so the raw scores
-        # overpromise; on a CPU, where one extra node costs 30% of a step, that turns a small expected gain into
-        # a real loss.
-        self._real, self._pred = CALIBRATION_PRIOR, CALIBRATION_PRIOR
-        self._predicted = 0.0  # the summed estimates of the tree being verified
-        # The engine's own time per step beyond its forward's cost on the curve, for the last TIMED resting and tree
-        # steps: the curve prices forwards only, and where they are cheap (the H200, 2026-12-04: eager trees at 1.17
-        # tokens a forward, 45 tok/s against plain's 71) the work around a tree decides. The budget adds the medians'
-        # difference (`extra`) to every tree's cost; medians, because noise (a stall, a warm-up) only adds time.
-        self._spent = (deque(maxlen=TIMED), deque(maxlen=TIMED))
-        self.extra = 0.0  # seconds; 0 until three trees' steps are timed
-        self._warm = False  # whether a tree's step has run (its first is not timed)
         self.pinned = None  # pin_context(): ids kept between the prompt and the recent tokens after a rebuild
         self.prompt_len = window.prompt
         for src in self.sources:
@@ -208,35 +174,72 @@ class Engine:
                 for src in self.sources:
                     src.seed(chunk.cpu().numpy(), top)
 
-    # -- one step -------------------------------------------------------------------------------------
+    # -- one step: draft, verify, choose what to commit, commit, tell the sources -----------------------
 
     @torch.inference_mode()
     def step(self, remaining: int, ends: frozenset | None = None) -> Step:
         """Verify one tree and commit at most `remaining` tokens; with `ends`, stop committing after the first
         token in it (an outline's section can end there): a plain step would have stopped at that token too."""
-        rebuilt = False
-        if self.n >= self.span[1]:
+        rebuilt = self.n >= self.span[1]
+        if rebuilt:
             self._rebuild()
-            rebuilt = True
         t0 = time.perf_counter()
-        s, b = self.span
-        root = int(self.S[self.n - 1])
-        tree = self.tree
-        tree.reset(root)
-        max_depth = min(b - 1 - self.n, remaining - 1, MAX_DEPTH)
-        budget, quiet = self._draft(tree, max_depth) if self.sources and max_depth > 0 else (0, False)
-        flat = tree.select(budget, max_depth, device=self.model.device)
-        n_nodes = flat.tokens.shape[0]
+        max_depth = min(self.span[1] - 1 - self.n, remaining - 1, MAX_DEPTH)
+        flat, quiet = self._draft(max_depth)
         base = self.cache.length  # position of the root: the context length minus one
-        positions = base + flat.depth
-        logits, hidden = self.model.forward(flat.tokens, positions, self.cache, flat.anc if n_nodes > 1 else None)
+        processed, hidden, path, bonus = self._verify(flat)
+        new, back, let = self._choose(flat, path, bonus, remaining, ends)
+        # The cache keeps the root and every committed token but the last (the next root): the accepted path
+        # cut to len(new) when the step was cut short, so the next step starts from exactly what was committed.
+        self.cache.compact(base, torch.tensor(path[: len(new)], device=self.model.device))
+        if self.sources:
+            self._learn(flat, path, len(new), processed, hidden, quiet)
+        self._commit(new)
+        if self.auto is not None and not rebuilt:
+            self.auto.timed(flat.tokens.shape[0], time.perf_counter() - t0)
+        return self._result(flat, path, new, rebuilt, back, let, remaining)
+
+    def _draft(self, max_depth: int) -> tuple[Flat, bool]:
+        """The tree to verify, rooted at the last committed token, and whether this is a quiet resting step."""
+        tree = self.tree
+        tree.reset(int(self.S[self.n - 1]))
+        budget, quiet = self._propose(tree, max_depth) if self.sources and max_depth > 0 else (0, False)
+        return tree.select(budget, max_depth, device=self.model.device), quiet
+
+    def _propose(self, tree: DraftTree, max_depth: int) -> tuple[int, bool]:
+        """Let the sources propose into `tree`; return how many of its nodes to verify, and whether this is a
+        quiet resting step (no proposals, and no source learns from its forward: see autobudget.CHECK_EVERY)."""
+        auto = self.auto
+        if auto is not None and auto.quiet():
+            return 0, True
+        resting = auto is not None and auto.resting()
+        hist = self.S[: self.n].numpy()
+        limit = self.max_nodes - 1
+        for src in self.sources:
+            if not (resting and src.costly):
+                src.propose(tree, hist, max_depth, limit)
+        if auto is None:
+            return min(self.budget, limit), False
+        return auto.choose(tree, max_depth, limit, self.n, self.cache), False
+
+    def _verify(self, flat: Flat) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
+        """One forward over the tree: (the processed logits, the hidden states, the accepted path, the bonus)."""
+        anc = flat.anc if flat.tokens.shape[0] > 1 else None
+        logits, hidden = self.model.forward(flat.tokens, self.cache.length + flat.depth, self.cache, anc)
         self.forwards += 1
-        hist_t = self.S[: self.n]
         # the root's row decides position n: the tokens banned there (only positions <= n have any)
         excluded = self.bans.excluded(self.n) if self.bans is not None else None
-        processed = self.sampler.process(logits, hist_t, flat.tokens, flat.depth, flat.anc, flat.parent, excluded)
+        processed = self.sampler.process(logits, self.S[: self.n], flat.tokens, flat.depth, flat.anc, flat.parent,
+                                         excluded)
         choice = self.sampler.choose(processed, (self.n + flat.depth).tolist()).tolist()
         path, bonus = walk(flat, choice)
+        return processed, hidden, path, bonus
+
+    def _choose(self, flat: Flat, path: list[int], bonus: int, remaining: int,
+                ends: frozenset | None) -> tuple[list[int], int | None, int]:
+        """The tokens to commit: the accepted path's and the bonus, cut at `remaining`, after the first of `ends`,
+        after a stop token, and with bans after a banned phrase's end. Also the position to go back to (where that
+        phrase began; None: none) and the phrases let through."""
         tok_list = flat.tokens.tolist()
         new = [tok_list[i] for i in path[1:]] + [bonus]
         new = new[:remaining]
@@ -250,33 +253,37 @@ class Engine:
                 new = new[: j + 1]
                 self.stopped = True
                 break
-        back = None  # the position to go back to: a banned phrase completed (the tokens after it are dropped)
-        if self.bans is not None:
-            let = self.bans.let_through
-            for j, t in enumerate(new):
-                back = self.bans.push(self.n + j, t)
-                if back is not None:
-                    new = new[: j + 1]
-                    self.stopped = False  # a stop token after the phrase's end was never reached
-                    break
-            let = self.bans.let_through - let
-        # The cache keeps the root and every committed token but the last (the next root): the accepted path
-        # cut to len(new) when the step was cut short, so the next step starts from exactly what was committed.
-        self.cache.compact(base, torch.tensor(path[: len(new)], device=self.model.device))
-        if self.sources:
-            if n_nodes > 1:
-                self.stats.update(flat, path)
-                if self.budget is None:
-                    self._real = self._real * CALIBRATION_DECAY + (len(path) - 1)
-                    self._pred = self._pred * CALIBRATION_DECAY + self._predicted
-            if not quiet:  # a top-k over the whole vocabulary: quiet steps skip it
-                top = torch.topk(processed, TOPK, dim=-1).indices.cpu().numpy().astype(np.int32)
-                for src in self.sources:
-                    src.after_verify(flat, top)
-            resting = self._resting()  # the costly sources sit out the next step: skip their work for it
+        if self.bans is None:
+            return new, None, 0
+        let, back = self.bans.let_through, None
+        for j, t in enumerate(new):
+            back = self.bans.push(self.n + j, t)
+            if back is not None:
+                new = new[: j + 1]
+                self.stopped = False  # a stop token after the phrase's end was never reached
+                break
+        return new, back, self.bans.let_through - let
+
+    def _learn(self, flat: Flat, path: list[int], kept: int, processed: torch.Tensor, hidden: torch.Tensor,
+               quiet: bool) -> None:
+        """Tell the rates, the automatic budget and the sources what verification found (`kept` of the path's
+        tokens are committed)."""
+        if flat.tokens.shape[0] > 1:
+            self.stats.update(flat, path)
+            if self.auto is not None:
+                self.auto.verified(len(path) - 1)
+        if not quiet:  # a top-k over the whole vocabulary: quiet steps skip it
+            top = torch.topk(processed, TOPK, dim=-1).indices.cpu().numpy().astype(np.int32)
             for src in self.sources:
-                if not (resting and src.costly):
-                    src.after_accept(hidden[path[len(new) - 1]])
+                src.after_verify(flat, top)
+        # the costly sources sit out the next step while the budget rests: skip their work for it
+        resting = self.auto is not None and self.auto.resting()
+        for src in self.sources:
+            if not (resting and src.costly):
+                src.after_accept(hidden[path[kept - 1]])
+
+    def _commit(self, new: list[int]) -> None:
+        """Append `new` to S; tell the sources, and count the shadow checks those tokens decide."""
         self._ensure_capacity(self.n + len(new))
         self.S[self.n : self.n + len(new)] = torch.tensor(new, dtype=torch.long)
         self.n += len(new)
@@ -284,10 +291,13 @@ class Engine:
             hist = self.S[: self.n].numpy()
             for src in self.sources:
                 src.after_commit(hist, len(new))
-            if self._shadows:
-                self._check_shadows(hist)
-            if self.budget is None and self.cost is not None and not rebuilt:
-                self._time_step(n_nodes, time.perf_counter() - t0)
+            if self.auto is not None:
+                self.auto.check_shadows(hist, self.n)
+
+    def _result(self, flat: Flat, path: list[int], new: list[int], rebuilt: bool, back: int | None, let: int,
+                remaining: int) -> Step:
+        """The step as the writer sees it; with bans, after going `back` and with the tokens settled as final."""
+        n_nodes = flat.tokens.shape[0]
         accepted_src = [flat.sources[i] for i in path[1 : len(new) + 1]]  # drafts among the committed tokens
         if self.bans is None:
             return Step(new, n_nodes, n_nodes - 1, accepted_src, rebuilt)
@@ -308,48 +318,14 @@ class Engine:
         self.bans.back(s, int(self.S[s]))
         drop = self.n - s
         self.n = s
-        self._shadows.clear()  # their tokens were taken back
+        if self.auto is not None:
+            self.auto.forget()  # their tokens were taken back
         if self.window.span(s) != self.span or self.cache.length - drop < 0:
             self._rebuild()
         else:
             self.cache.length -= drop
         for src in self.sources:
             src.rewind(s)
-
-    def _draft(self, tree: DraftTree, max_depth: int) -> tuple[int, bool]:
-        """Let the sources propose into `tree`; return how many of its nodes to verify, and whether this is a
-        quiet resting step (no proposals, and no source learns from its forward: see CHECK_EVERY)."""
-        resting = self._resting()
-        if resting and self._idle % CHECK_EVERY:
-            self._idle += 1
-            return 0, True
-        hist = self.S[: self.n].numpy()
-        limit = self.max_nodes - 1
-        for src in self.sources:
-            if not (resting and src.costly):
-                src.propose(tree, hist, max_depth, limit)
-        if self.budget is not None:
-            return min(self.budget, limit), False
-        bucket = self.cache.length // COST_BUCKET
-        if self.cost_at is not None and bucket != self._cost_bucket:
-            self.cost, self._cost_bucket = self.cost_at(self.cache), bucket
-        scores = tree.best_scores(max_depth)
-        budget = best_budget(scores, self.cost, limit, scale=self.calibration, extra=self.extra)
-        if budget > 0:
-            self._idle, self._explore_every = 0, EXPLORE_EVERY
-            self._predicted = sum(scores[:budget])  # what the calibration compares the accepted count with
-            return budget, False
-        # A budget of 0 verifies nothing, yet the rates must follow the text, or one that turns repetitive would
-        # go unnoticed. They need no forward: a node would have been accepted exactly when its path equals the
-        # tokens committed after the root (verification accepts what plain decoding writes), so the tree this
-        # step would verify if drafting were to pay at all is counted once those tokens exist. Its outcome is
-        # what the rates and the calibration must learn, since that tree is the choice against resting.
-        look = self._idle >= self._explore_every  # the costly sources proposed too
-        # after a look the count restarts at 1, not 0 (0: a tree was just verified): the costly sources rest again
-        self._idle = 1 if look else self._idle + 1
-        size = best_budget(scores, self.cost, limit, scale=self.calibration, least=1, extra=self.extra)
-        self._shadows.append((self.n, *tree.best(size, max_depth), look))
-        return 0, False
 
     @torch.inference_mode()
     def force(self, ids: list[int]) -> None:
@@ -359,7 +335,8 @@ class Engine:
         rebuild, the next step rebuilds the context at the new length instead, as a resume there would."""
         if not ids:
             return
-        self._shadows.clear()  # forced tokens are not the model's choices: they say nothing of a draft
+        if self.auto is not None:
+            self.auto.forget()  # forced tokens are not the model's choices: they say nothing of a draft
         self._ensure_capacity(self.n + len(ids))
         old = self.n
         self.S[old : old + len(ids)] = torch.tensor(ids, dtype=torch.long)
@@ -376,53 +353,6 @@ class Engine:
             hist = self.S[: self.n].numpy()
             for src in self.sources:
                 src.after_commit(hist, len(ids))
-
-    def _check_shadows(self, hist: np.ndarray) -> None:
-        """Count each waiting shadow check whose deepest node's token is committed, as if it had been verified."""
-        keep = []
-        for shadow in self._shadows:
-            n0, tokens, parents, depth, ranks, predicted, look = shadow
-            if n0 + depth[-1] > self.n:
-                keep.append(shadow)
-                continue
-            children = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
-            path = [0]  # node at depth d guesses hist[n0 - 1 + d]: the root is hist[n0 - 1]
-            while len(path) <= depth[-1] and (nxt := children.get((path[-1], int(hist[n0 + len(path) - 1])))) is not None:
-                path.append(nxt)
-            if len(tokens) > 1:
-                self.stats.count(parents, depth, ranks, path)
-                self._real = self._real * CALIBRATION_DECAY + (len(path) - 1)
-                self._pred = self._pred * CALIBRATION_DECAY + predicted
-            if look:  # a look where no costly source's draft was accepted waits twice as long next time
-                costly = {src.id for src in self.sources if src.costly}
-                found = any(src in costly for i in path[1:] for src in ranks[i])
-                self._explore_every = EXPLORE_EVERY if found else min(2 * self._explore_every, EXPLORE_MAX)
-        self._shadows = keep
-
-    def _time_step(self, n_nodes: int, seconds: float) -> None:
-        """Keep a step's own time (its wall time less its forward's cost on the curve) and update `extra`: the
-        seconds a tree's step spends in the engine beyond a resting step's (a resting step counts 0 until one is timed)."""
-        tree, rest = self._spent[1], self._spent[0]
-        if n_nodes > 1 and not self._warm:  # the first tree's step pays first calls' warm-up (seen: 19 ms on a CPU)
-            self._warm = True
-            return
-        (tree if n_nodes > 1 else rest).append(seconds - float(self.cost(n_nodes)))
-        if len(tree) >= 3:  # a median of one or two is one or two steps' noise
-            self.extra = max(0.0, median(tree) - (median(rest) if rest else 0.0))
-
-    def _resting(self) -> bool:
-        """True while an automatic budget rests at 0: the costly sources (the heads: a few ms of matrix work
-        per step) sit out until the explore period has passed (EXPLORE_EVERY steps, doubled after each look that
-        accepted nothing, up to EXPLORE_MAX), then every source proposes again into that step's shadow check.
-        The cheap sources (table lookups) keep proposing, so a repetition they spot is still taken at once. On a
-        CPU where drafts rarely pay, this keeps `auto` near the speed of plain decoding: a resting step runs the
-        same one-token forward as a plain step."""
-        return self.budget is None and 0 < self._idle < self._explore_every
-
-    @property
-    def calibration(self) -> float:
-        """Accepted draft tokens per unit of estimated acceptance, recently (1.0: the estimates are right)."""
-        return self._real / self._pred
 
     def run(self, n_new: int):
         """Yield steps until `n_new` more tokens are committed (or a stop token is)."""

@@ -244,8 +244,9 @@ class Session:
                                   **(engine.stats.summary(SOURCES.index(name)) if engine.stats else {})}
                            for name, n in st.per_source.items()},
             "budget": self.budget() or "none",
-            "cost_curve_ms": engine.cost.to_dict() if engine.cost is not None else None,
-            "engine_ms_per_tree": round(engine.extra * 1e3, 3),  # what the automatic budget adds to a tree's forward
+            "cost_curve_ms": engine.auto.cost.to_dict() if engine.auto and engine.auto.cost is not None else None,
+            # what the automatic budget adds to a tree's forward
+            "engine_ms_per_tree": round(engine.auto.extra * 1e3, 3) if engine.auto else 0.0,
             "kv_cache_bytes": engine.cache.nbytes, "peak_rss_bytes": _rss(), "model_fingerprint": rd.fingerprint,
             "weights": lm.weights, "backend": lm.backend, "cpu": cpu_extensions(), "text_pending_tokens": pending,
             "earlier_processes": st.history,

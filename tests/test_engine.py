@@ -236,7 +236,7 @@ def test_an_auto_budget_at_zero_rests_and_looks_again_less_often_while_looks_fin
     CHECK_EVERY-th resting step only. A costly source sits out; after EXPLORE_EVERY resting steps it proposes
     again (a look, checked in the shadow); each look where none of its drafts is accepted doubles the wait for the
     next (up to EXPLORE_MAX), and one where one is brings it back to EXPLORE_EVERY."""
-    from swiftwrite.engine import CHECK_EVERY, EXPLORE_EVERY, EXPLORE_MAX
+    from swiftwrite.autobudget import CHECK_EVERY, EXPLORE_EVERY, EXPLORE_MAX
 
     calls, cheap = [], []
     engine = _hopeless_engine(models, calls)
@@ -286,7 +286,7 @@ def test_the_budget_calibration_follows_what_verification_accepts(models):
     engine.start(prompt)
     steps = list(engine.run(300))
     accepted = sum(len(x.tokens) - 1 for x in steps[-60:])
-    assert 0 < engine.calibration < 1.0  # 63-node trees: most estimates are long shots that missed
+    assert 0 < engine.auto.calibration < 1.0  # 63-node trees: most estimates are long shots that missed
     assert accepted > 0
 
 
@@ -311,7 +311,7 @@ def test_the_engines_own_time_around_trees_counts_against_them(models):
                         stats, cost=ten_ms, capacity=len(prompt) + 301)
         engine.start(prompt)
         steps = list(engine.run(300))
-        runs[slow] = ([t for x in steps for t in x.tokens], sum(x.forward_tokens > 1 for x in steps), engine.extra)
+        runs[slow] = ([t for x in steps for t in x.tokens], sum(x.forward_tokens > 1 for x in steps), engine.auto.extra)
     assert runs[True][0] == runs[False][0]
     assert runs[False][1] >= 20 and runs[False][2] < 0.01
     assert 4 <= runs[True][1] <= 6 and runs[True][2] >= 0.05

@@ -22,8 +22,10 @@ LAYERS = [
     ["ops", "kvcache", "draftcache", "attention", "quant", "weightfiles", "exact", "forward"],
     # models: the implementations of forward.Forward, and the wrappers around the lean one
     ["model", "hfmodel", "ggmlmodel", "graphs", "parallel", "modelfiles"],
-    # decoding pieces: sampling and penalties, draft trees and sources, the context window, the cost curve
-    ["repetition", "bans", "sampling", "tree", "drafting", "ngram", "recycling", "heads", "window", "budget", "vocab"],
+    # decoding pieces: sampling and penalties, draft trees and sources, the context window, the cost curve and the
+    # automatic budget that prices trees with it
+    ["repetition", "bans", "sampling", "tree", "drafting", "ngram", "recycling", "heads", "window", "budget",
+     "autobudget", "vocab"],
     # the engine: token ids in, token ids and step statistics out
     ["engine", "curves"],
     # run I/O the loader and the writer share: prompts to ids, the run directory, the panel, statistics
