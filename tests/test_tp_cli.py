@@ -111,7 +111,8 @@ def test_a_run_ended_mid_way_resumes_to_the_uninterrupted_text(work, reference, 
     name = "killed-" + victim.replace(" ", "")
     with Holds(work / f"{name}.holds") as holds:
         launcher = start(work, *generate(work, name, "--tp", "2", "--budget", "16"), **holds.env())
-        assert holds.until(launcher, lambda: ks.read_state(work / name).get("n_tokens", 0) >= 64), launcher.stderr.read()
+        past_64 = holds.until(launcher, lambda: ks.read_state(work / name).get("n_tokens", 0) >= 64)
+        assert past_64, launcher.stderr.read()
         if victim == "the command":
             launcher.send_signal(signal.SIGTERM)
             assert holds.signalled(launcher, signal.SIGTERM), launcher.stderr.read()  # forwarded to rank 0
