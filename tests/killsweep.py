@@ -10,6 +10,7 @@ Needs tests/ on the path (tests/tiny.py), as pytest and `common.from_tests` put 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from gates import Holds
 from swiftwrite.rundir import drafter_file, staging_dirs
 
 PROMPT = "A lighthouse keeper finds a message in a bottle.\n"
@@ -111,8 +113,13 @@ def read_text(path: Path) -> str | None:
 
 
 def read_state(run_dir: Path) -> dict:
+    return read_state_file(run_dir / "state.json")
+
+
+def read_state_file(path: Path) -> dict:
+    """A state file (state.json, or a held checkpoint's state.json.tmp); {} when absent or unreadable."""
     try:
-        s = json.loads((run_dir / "state.json").read_text())
+        s = json.loads(path.read_text())
         return s if isinstance(s, dict) else {}
     except (OSError, ValueError):
         return {}
@@ -146,13 +153,21 @@ class Kill:
     """When to SIGKILL the current process: as soon as the run directory exists (`at_run_dir`), or after it
     has checkpointed `at_tokens` (None: don't wait; -1: its first checkpoint past the one it started from),
     then (if `in_checkpoint`) once a state.json.tmp exists, then after `delay` more seconds, or `frac` times
-    the reference run's wall time if `frac` is given."""
+    the reference run's wall time if `frac` is given.
+
+    `held`: the process's checkpoints wait for the sweep inside their window (tests/gates.py), so the kill lands
+    where it was aimed however busy the machine: with `in_checkpoint`, inside the first checkpoint after
+    `at_tokens` were checkpointed; without, after the first checkpoint of at least `at_tokens` and before the
+    next one has been renamed. `on_prompt`: a generate that reads its prompt from a standard input the sweep
+    never writes, killed while it waits there (before its run directory exists)."""
 
     delay: float = 0.0
     frac: float | None = None
     at_tokens: int | None = None
     in_checkpoint: bool = False
     at_run_dir: bool = False
+    held: bool = False
+    on_prompt: bool = False
 
 
 @dataclass
@@ -228,6 +243,7 @@ class Sweep:
         self.prompt.write_text(PROMPT)
         self.log = log
         self.count = 0
+        self.holds = 0  # Holds folders made (one per held kill)
         self.child: subprocess.Popen | None = None
 
     def env(self, slow: float = 0.0) -> dict:
@@ -251,10 +267,10 @@ class Sweep:
             args += ["--context", str(v.context)]
         return args
 
-    def start(self, args: list[str], env: dict, name: str) -> tuple[subprocess.Popen, Path]:
+    def start(self, args: list[str], env: dict, name: str, stdin=subprocess.DEVNULL) -> tuple[subprocess.Popen, Path]:
         log = self.work / f"{name}.stderr"
         with open(log, "ab") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "swiftwrite.cli", *args], stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen([sys.executable, "-m", "swiftwrite.cli", *args], stdin=stdin,
                                     stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=self.work)
         self.child = proc  # killed by stop() if the sweep itself is interrupted
         return proc, log
@@ -375,7 +391,18 @@ class Sweep:
     def kill(self, args: list[str], k: Kill, p: Point, d: Path, name: str, v: Variant) -> dict:
         start_state = read_state(d).get("n_tokens", -1)
         start_disk = len(read_tokens(d))
-        proc, _ = self.start(args, self.env(p.slow), name)
+        with contextlib.ExitStack() as stack:
+            holds = stack.enter_context(Holds(self.work / f"{name}.holds{self.holds}")) if k.held else None
+            self.holds += k.held
+            env = {**self.env(p.slow), **(holds.env() if holds else {})}
+            if k.on_prompt:  # the prompt from a pipe nobody writes: the generate waits for it
+                args = [a if a != str(self.prompt) else "-" for a in args]
+            proc, _ = self.start(args, env, name, stdin=subprocess.PIPE if k.on_prompt else subprocess.DEVNULL)
+            stack.callback(lambda: proc.stdin and proc.stdin.close())
+            return self._kill(proc, args, k, d, start_state, start_disk, holds)
+
+    def _kill(self, proc, args: list[str], k: Kill, d: Path, start_state: int, start_disk: int,
+              holds: Holds | None) -> dict:
         t0 = time.monotonic()
 
         def alive_until(pred) -> bool:
@@ -390,10 +417,12 @@ class Sweep:
         alive = True
         if k.at_run_dir:  # the staging directory create() builds in, or the run directory it becomes
             alive = alive_until(lambda: d.exists() or bool(staging_dirs(d)))
-        if alive and k.at_tokens is not None:
-            want = max(start_state, 0) + 1 if k.at_tokens < 0 else k.at_tokens
+        want = max(start_state, 0) + 1 if k.at_tokens is not None and k.at_tokens < 0 else k.at_tokens
+        if alive and holds is not None and want is not None:
+            alive = held_at(holds, proc, d, want, k.in_checkpoint, alive_until)
+        elif alive and want is not None:
             alive = alive_until(lambda: read_state(d).get("n_tokens", -1) >= want)
-        if alive and k.in_checkpoint:
+        if alive and k.in_checkpoint and holds is None:
             alive = alive_until(lambda: (d / "meta.json").is_file() and (d / "state.json.tmp").exists())
         if alive and k.delay:
             try:
@@ -418,6 +447,18 @@ class Sweep:
                 "started_from": {"checkpoint_tokens": start_state if start_state >= 0 else None, "tokens_on_disk": start_disk},
                 "tmp_files": sorted(f.name for f in d.glob("*.tmp")) if d.exists() else [],
                 "drafter_matches_checkpoint": drafter_ok if state else None}
+
+
+def held_at(holds: Holds, proc: subprocess.Popen, d: Path, want: int, in_checkpoint: bool, alive_until) -> bool:
+    """With the run's checkpoints held (`Kill.held`): stop it inside the first checkpoint after `want` tokens were
+    checkpointed (`in_checkpoint`), or let the first checkpoint of at least `want` tokens finish and hold the next
+    one, so that the kill lands between them or inside the next, never past it. False: the run ended first."""
+    if in_checkpoint:
+        return holds.until(proc, lambda: read_state(d).get("n_tokens", -1) >= want, TIMEOUT)
+    if not holds.until(proc, lambda: read_state_file(d / "state.json.tmp").get("n_tokens", -1) >= want, TIMEOUT):
+        return False
+    holds.release()
+    return alive_until(lambda: read_state(d).get("n_tokens", -1) >= want)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from gates import FullPipe, Holds
+
 T = 32  # tokens per reference run
 CHUNK = 8  # tokens between checkpoints: four checkpoints per run, so there is a "between" to interrupt
 GREEDY = ["--temperature", "0"]  # the penalty stays on (its default): that is how people run it
@@ -74,8 +76,13 @@ def text_of(run_dir: Path) -> str:
 
 
 def state_tokens(run_dir: Path) -> int:
+    return json_tokens(run_dir / "state.json")
+
+
+def json_tokens(state: Path) -> int:
+    """n_tokens of a state file (state.json, or the state.json.tmp of a checkpoint held in its window); -1: none."""
     try:
-        return json.loads((run_dir / "state.json").read_text())["n_tokens"]
+        return json.loads(state.read_text())["n_tokens"]
     except (OSError, ValueError, KeyError):
         return -1
 
@@ -102,18 +109,24 @@ class Run:
 
 
 class Background:
-    """A generate in a subprocess, stdout and stderr to files, so the test can signal it mid-run."""
+    """A generate in a subprocess, stdout and stderr to files (or stdout to a pipe the test holds, `stdout`), so
+    the test can signal it mid-run."""
 
-    def __init__(self, tmp: Path, args, env=None):
-        self.out, self.err = open(tmp / "stdout", "w+b"), open(tmp / "stderr", "w+b")
-        self.proc = subprocess.Popen(cli(*args), stdin=subprocess.DEVNULL, stdout=self.out, stderr=self.err,
+    def __init__(self, tmp: Path, args, env=None, stdout: int | None = None):
+        self.out = open(tmp / "stdout", "w+b") if stdout is None else None
+        self.err = open(tmp / "stderr", "w+b")
+        self.proc = subprocess.Popen(cli(*args), stdin=subprocess.DEVNULL, stdout=self.out or stdout, stderr=self.err,
                                      env=env or clean_env(), cwd=tmp)
 
     def finish(self, timeout=300) -> tuple[int, bytes, str]:
+        """Exit status, stdout (b"" when it went to the test's pipe), stderr."""
         rc = self.proc.wait(timeout=timeout)
-        self.out.seek(0)
         self.err.seek(0)
-        return rc, self.out.read(), self.err.read().decode("utf-8", errors="replace")
+        out = b""
+        if self.out is not None:
+            self.out.seek(0)
+            out = self.out.read()
+        return rc, out, self.err.read().decode("utf-8", errors="replace")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -300,20 +313,34 @@ def test_seeded_sampling_gives_identical_text_twice(work, prompt, sampled_ref):
 # interruption and resume
 
 
+def killed_between_checkpoints(d: Path, bg: Background, holds: Holds, pipe: FullPipe, tokens: int) -> None:
+    """Hold `bg` (started with `holds.env()` and `pipe.w` as its stdout) between its first checkpoint of at least
+    `tokens` tokens and the next: that checkpoint waits while the test fills the pipe, then finishes; the run's next
+    write of text waits for a reader, so the next checkpoint cannot come."""
+    assert holds.until(bg.proc, lambda: json_tokens(d / "state.json.tmp") >= tokens), "the run ended too soon"
+    pipe.fill()
+    holds.open()
+    wait_for(lambda: state_tokens(d) >= tokens, bg.proc)
+
+
 def interrupted(work: Path, name: str, prompt: Path, mode_args, signum: int, while_running=None) -> tuple[Path, int, bytes, str]:
-    """Start a run, wait for its first checkpoint, send `signum`; returns (dir, exit status, stdout, stderr)."""
+    """Start a run, hold it inside its first checkpoint, send `signum` there; returns (dir, exit status, stdout,
+    stderr). The run waits for the test at that checkpoint (gates.Holds) until the signal has reached it, so however
+    long `while_running` or a busy machine takes, the signal lands mid-run, never after the last token."""
     d = work / name
     tmp = work / f"{name}.proc"
     tmp.mkdir()
-    # Slow checkpoints keep the run alive long enough to be caught mid-way on a fast machine too.
-    bg = Background(tmp, ["generate", prompt, "--run-dir", d, "--tokens", T, "--chunk", CHUNK, *mode_args,
-                          "--draft", "all", "--no-live"], env=clean_env(SWIFTWRITE_SLOW_CHECKPOINT="0.5"))
-    wait_for(lambda: (d / "meta.json").exists(), bg.proc)
-    if while_running:
-        while_running(d)
-    wait_for(lambda: state_tokens(d) >= CHUNK, bg.proc)
-    bg.proc.send_signal(signum)
-    rc, out, err = bg.finish()
+    with Holds(tmp / "holds") as holds:
+        bg = Background(tmp, ["generate", prompt, "--run-dir", d, "--tokens", T, "--chunk", CHUNK, *mode_args,
+                              "--draft", "all", "--no-live"], env=clean_env(**holds.env()))
+        wait_for(lambda: (d / "meta.json").exists(), bg.proc)
+        if while_running:
+            while_running(d)
+        assert holds.next(bg.proc), "the run ended before its first checkpoint"
+        bg.proc.send_signal(signum)
+        assert holds.signalled(bg.proc, signum), "the run ended before the signal reached it"
+        holds.open()
+        rc, out, err = bg.finish()
     return d, rc, out, err
 
 
@@ -362,24 +389,26 @@ def test_sigkill_at_any_moment_then_resume_gives_the_uninterrupted_tokens(work, 
     d = work / f"kill-{moment}"
     tmp = work / f"kill-{moment}.proc"
     tmp.mkdir()
-    # Every checkpoint is slowed (state.json.tmp sits 0.3-0.5 s before its rename), so each moment stays
-    # reachable however fast the machine decodes.
-    env = clean_env(SWIFTWRITE_SLOW_CHECKPOINT="0.5" if moment == "inside-a-slow-checkpoint" else "0.3")
-    bg = Background(tmp, ["generate", prompt, "--run-dir", d, "--tokens", T, "--chunk", CHUNK, *args, "--draft", "all",
-                          "--quiet"], env=env)
-    rng = random.Random(f"{KILL_SEED}-{moment}")
-    if moment == "before-first-checkpoint":
-        wait_for(lambda: (d / "meta.json").exists(), bg.proc)
-        time.sleep(rng.uniform(0.0, 0.3))
-        assert state_tokens(d) < CHUNK
-    elif moment == "between-checkpoints":
-        wait_for(lambda: state_tokens(d) >= CHUNK, bg.proc)
-        time.sleep(rng.uniform(0.0, 0.3))
-    else:  # the second checkpoint's state.json.tmp is written and fsynced, the rename has not happened
-        wait_for(lambda: state_tokens(d) >= CHUNK, bg.proc)
-        wait_for(lambda: (d / "state.json.tmp").exists(), bg.proc, every=0.005)
-    bg.proc.kill()
-    rc, _, err = bg.finish()
+    # Each moment is held by a gate the test opens (tests/gates.py), never reached by timing: the run's stdout is a
+    # pipe the test fills (its next write of text waits), and its checkpoints can wait inside their window.
+    with Holds(tmp / "holds") as holds, FullPipe() as pipe:
+        bg = Background(tmp, ["generate", prompt, "--run-dir", d, "--tokens", T, "--chunk", CHUNK, *args, "--draft",
+                              "all", "--quiet"], env=clean_env(**holds.env()), stdout=pipe.w)
+        rng = random.Random(f"{KILL_SEED}-{moment}")
+        if moment == "before-first-checkpoint":
+            pipe.fill()  # before any text: the first step's write waits, and every checkpoint comes after a write
+            wait_for(lambda: (d / "meta.json").exists(), bg.proc)
+            time.sleep(rng.uniform(0.0, 0.3))  # where the kill lands in that stretch; the gate keeps it before
+            assert state_tokens(d) < CHUNK
+        elif moment == "between-checkpoints":
+            killed_between_checkpoints(d, bg, holds, pipe, CHUNK)
+            time.sleep(rng.uniform(0.0, 0.3))  # where the kill lands between them; the full pipe keeps it there
+        else:  # the second checkpoint's state.json.tmp is written and fsynced, the rename has not happened
+            assert holds.next(bg.proc), "the run ended before its first checkpoint"
+            holds.release()
+            assert holds.next(bg.proc), "the run ended before its second checkpoint"
+        bg.proc.kill()
+        rc, _, err = bg.finish()
     assert rc == -signal.SIGKILL, err
     assert (d / "lock").exists()  # left by the dead process: a stale lock the resume must take over
     p = sw("resume", d, "--no-live", cwd=work)

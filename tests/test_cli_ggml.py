@@ -12,7 +12,8 @@ import signal
 import pytest
 import yaml
 
-from test_cli import SAMPLED, Background, clean_env, read_tokens, state_tokens, sw, text_of, wait_for
+from gates import FullPipe, Holds
+from test_cli import SAMPLED, Background, clean_env, killed_between_checkpoints, read_tokens, sw, text_of
 
 if not os.environ.get("SWIFTWRITE_REQUIRE_GGML"):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'swiftwrite[ggml]')")
@@ -63,11 +64,12 @@ def test_sigkill_between_checkpoints_then_resume_gives_the_uninterrupted_tokens(
     ref = run(work, "kill-ref", *SAMPLED)
     d, tmp = work / "kill", work / "kill.proc"
     tmp.mkdir()
-    bg = Background(tmp, ["generate", work / "prompt.txt", "--run-dir", d, "--tokens", T, "--chunk", CHUNK, *SAMPLED,
-                          "--quiet"], env=env(SWIFTWRITE_SLOW_CHECKPOINT="0.3"))
-    wait_for(lambda: state_tokens(d) >= CHUNK, bg.proc)
-    bg.proc.kill()
-    rc, _, err = bg.finish()
+    with Holds(tmp / "holds") as holds, FullPipe() as pipe:  # held between checkpoints until the kill (gates.py)
+        bg = Background(tmp, ["generate", work / "prompt.txt", "--run-dir", d, "--tokens", T, "--chunk", CHUNK,
+                              *SAMPLED, "--quiet"], env=env(**holds.env()), stdout=pipe.w)
+        killed_between_checkpoints(d, bg, holds, pipe, CHUNK)
+        bg.proc.kill()
+        rc, _, err = bg.finish()
     assert rc == -signal.SIGKILL, err
     # resume with the torch default in the environment: the run's own backend (ggml) must win
     p = sw("resume", d, "--quiet", env=clean_env(SWIFTWRITE_BACKEND="torch"), cwd=work)

@@ -16,7 +16,8 @@ import pytest
 
 from swiftwrite import outline as ol
 import killsweep
-from test_cli import Background, clean_env, read_tokens, state_tokens, sw, text_of, wait_for
+from gates import Holds
+from test_cli import Background, clean_env, read_tokens, state_tokens, sw, text_of
 
 TOKENS = 300
 CONTEXT = 192  # the prompt with its outline is ~90 tokens: rebuilt every ~50 tokens
@@ -130,12 +131,13 @@ def test_killed_mid_section_then_resumed_gives_the_same_bytes(refs, work, tmp_pa
     ref = refs[mode, "all"][0]
     _, starts = sections_of(ref)
     name = f"killed-{mode}"
-    bg = Background(tmp_path, args(work, name, *(GREEDY if mode == "greedy" else SAMPLED)),
-                    env=env(work, SWIFTWRITE_SLOW_CHECKPOINT="0.03"))
     run = work[0] / name
-    wait_for(lambda: state_tokens(run) >= starts[1] + 20, bg.proc)
-    bg.proc.send_signal(signal.SIGKILL)
-    bg.finish()
+    with Holds(tmp_path / "holds") as holds:  # killed inside the first checkpoint past that point, held there
+        bg = Background(tmp_path, args(work, name, *(GREEDY if mode == "greedy" else SAMPLED)),
+                        env=env(work, **holds.env()))
+        assert holds.until(bg.proc, lambda: state_tokens(run) >= starts[1] + 20), "the run ended too soon"
+        bg.proc.send_signal(signal.SIGKILL)
+        bg.finish()
     at = state_tokens(run)
     inside = [k for k in range(4) if starts[k] < at < (starts + [TOKENS])[k + 1]]
     assert inside and at not in starts, (at, starts)
@@ -232,8 +234,6 @@ def test_a_sigkill_inside_an_edited_outlined_round_resumes_to_the_same_bytes(ref
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")
     killed = runs["killed"]
     (tmp_path / "proc").mkdir()
-    bg = Background(tmp_path / "proc", ["resume", killed, "--edited", tmp_path / "killed.md", "--tokens", MORE, "--quiet"],
-                    env=env(work, SWIFTWRITE_SLOW_CHECKPOINT="0.3"))
 
     def inside_the_round() -> bool:
         try:
@@ -241,9 +241,13 @@ def test_a_sigkill_inside_an_edited_outlined_round_resumes_to_the_same_bytes(ref
         except (OSError, ValueError):
             return False
         return state.get("round") == 2 and state["stats"].get("tokens", 0) >= 16  # two chunks of the round written
-    wait_for(inside_the_round, bg.proc)
-    bg.proc.send_signal(signal.SIGKILL)
-    rc, _, err = bg.finish()
+
+    with Holds(tmp_path / "holds") as holds:  # killed inside the first checkpoint that finds them, held there
+        bg = Background(tmp_path / "proc", ["resume", killed, "--edited", tmp_path / "killed.md", "--tokens", MORE,
+                                            "--quiet"], env=env(work, **holds.env()))
+        assert holds.until(bg.proc, inside_the_round), "the run ended too soon"
+        bg.proc.send_signal(signal.SIGKILL)
+        rc, _, err = bg.finish()
     assert rc == -signal.SIGKILL, err
     proc = sw("resume", killed, "--quiet", env=env(work), cwd=work[0])
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")

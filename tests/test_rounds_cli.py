@@ -12,7 +12,8 @@ import signal
 
 import pytest
 
-from test_cli import GREEDY, SAMPLED, Background, clean_env, read_tokens, sw, text_of, wait_for
+from gates import Holds
+from test_cli import GREEDY, SAMPLED, Background, clean_env, read_tokens, sw, text_of
 
 T, MORE, CHUNK = 32, 40, 8
 
@@ -66,8 +67,6 @@ def test_a_sigkill_inside_a_continued_round_resumes_to_the_same_bytes(work):
     assert p.returncode == 0, p.stderr
     tmp = work / "kill.proc"
     tmp.mkdir()
-    bg = Background(tmp, ["resume", killed, "--edited", kdoc, "--tokens", MORE, "--quiet"],
-                    env=clean_env(SWIFTWRITE_SLOW_CHECKPOINT="0.3"))
 
     def in_round_two_past_a_checkpoint() -> bool:
         try:
@@ -75,9 +74,14 @@ def test_a_sigkill_inside_a_continued_round_resumes_to_the_same_bytes(work):
         except (OSError, ValueError):
             return False
         return state.get("round") == 2 and state["stats"].get("tokens", 0) > 0  # a chunk of the round checkpointed
-    wait_for(in_round_two_past_a_checkpoint, bg.proc)
-    bg.proc.kill()
-    rc, _, err = bg.finish()
+
+    # killed inside the first checkpoint that finds one: the run waits there for the test (gates.Holds)
+    with Holds(tmp / "holds") as holds:
+        bg = Background(tmp, ["resume", killed, "--edited", kdoc, "--tokens", MORE, "--quiet"],
+                        env=clean_env(**holds.env()))
+        assert holds.until(bg.proc, in_round_two_past_a_checkpoint), "the run ended too soon"
+        bg.proc.kill()
+        rc, _, err = bg.finish()
     assert rc == -signal.SIGKILL, err
     p = sw("resume", killed, "--no-live", cwd=work)
     assert p.returncode == 0, p.stderr

@@ -7,10 +7,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
+from gates import Holds
 from swiftwrite.errors import UserError
 from swiftwrite.rundir import RunDir, staging_dirs
 
@@ -27,9 +27,10 @@ def make(path, chunks=((1, 2, 3),), drafter=None):
 
 
 def spawn(code, **env):
-    """A python child that prints 'ready' when it has done its setup; returns it after that line."""
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+    """A python child that prints 'ready' when it has done its setup; returns it after that line. Its standard
+    input is a pipe the test never writes: a child that reads it waits there until the test kills it."""
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
     assert child.stdout.readline().strip() == "ready", child.stderr.read()
     return child
 
@@ -251,14 +252,14 @@ def test_a_staging_directory_left_by_a_killed_create_is_swept_and_the_path_stays
     """A SIGKILL inside create() leaves only a hidden sibling; the same command works again and removes it."""
     run = tmp_path / "run"
     child = spawn(f"""
-        import os
+        import sys
         from swiftwrite import rundir
         real = rundir.atomic_write
         def slow(path, data, pause=0.0):
             real(path, data)
             if path.name == "state.json":
                 print("ready", flush=True)
-                import time; time.sleep(60)
+                sys.stdin.read()  # held here until the test kills it
         rundir.atomic_write = slow
         rundir.RunDir.create({str(run)!r}, {{"a": 1}}, "p", [1], "fp")
     """)
@@ -292,11 +293,11 @@ def test_a_second_open_in_the_same_process_is_refused(tmp_path):
 def test_an_open_in_another_process_is_refused_until_the_holder_is_killed(tmp_path):
     make(tmp_path).close()
     holder = spawn(f"""
-        import time
+        import sys
         from swiftwrite.rundir import RunDir
         rd = RunDir.open({str(tmp_path)!r})
         print("ready", flush=True)
-        time.sleep(60)
+        sys.stdin.read()  # held here until the test kills it
     """)
     try:
         with pytest.raises(UserError, match=rf"in use by process {holder.pid}; wait for it to finish"):
@@ -357,19 +358,17 @@ def test_a_process_killed_inside_the_checkpoint_window_leaves_the_previous_check
     """Killed with the new state written but not renamed, and the new drafter file already on disk: the
     previous checkpoint opens, with the drafter state it recorded (none, or the old one)."""
     make(tmp_path, drafter=old_drafter).close()
-    child = spawn(f"""
-        from swiftwrite.rundir import RunDir
-        rd = RunDir.open({str(tmp_path)!r})
-        rd.append([4, 5], "<4><5>")
-        print("ready", flush=True)
-        rd.checkpoint({{"n": 5}}, drafter_state=b"new")
-    """, SWIFTWRITE_SLOW_CHECKPOINT="30")
-    deadline = time.monotonic() + 10
-    while not (tmp_path / "state.json.tmp").exists():  # the new state is written, not yet renamed
-        assert time.monotonic() < deadline and child.poll() is None, child.stderr.read()
-        time.sleep(0.01)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
+    with Holds(tmp_path.parent / f"{tmp_path.name}.holds") as holds:  # the checkpoint waits in its window (gates.py)
+        child = spawn(f"""
+            from swiftwrite.rundir import RunDir
+            rd = RunDir.open({str(tmp_path)!r})
+            rd.append([4, 5], "<4><5>")
+            print("ready", flush=True)
+            rd.checkpoint({{"n": 5}}, drafter_state=b"new")
+        """, **holds.env())
+        assert holds.next(child), child.stderr.read()  # the new state is written, not yet renamed
+        child.send_signal(signal.SIGKILL)
+        child.wait()
     assert json.loads((tmp_path / "state.json.tmp").read_text())["n_tokens"] == 5
     assert len(list(tmp_path.glob("drafter-*.bin"))) == 1 + (old_drafter is not None)  # the new one, unrecorded
     with RunDir.open(tmp_path) as rd:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from gates import Holds
 from test_kill_sweep import load_sweep
 
 ks = load_sweep()
@@ -33,14 +34,14 @@ def work(tmp_path_factory, default_model_dir):
     return work
 
 
-def env(work: Path) -> dict:
+def env(work: Path, **extra: str) -> dict:
     e = {k: v for k, v in os.environ.items() if not k.startswith("SWIFTWRITE_")}
-    e.update(SWIFTWRITE_HOME=str(work / "home"), OMP_WAIT_POLICY="PASSIVE")
+    e.update(SWIFTWRITE_HOME=str(work / "home"), OMP_WAIT_POLICY="PASSIVE", **extra)
     return e
 
 
-def start(work: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "swiftwrite", *args], cwd=work, env=env(work),
+def start(work: Path, *args: str, **extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "swiftwrite", *args], cwd=work, env=env(work, **extra),
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -104,19 +105,21 @@ def test_drafting_under_two_ranks_writes_what_plain_decoding_under_two_ranks_wri
 @pytest.mark.parametrize("victim", ["rank 0", "rank 1", "the command"])
 def test_a_run_ended_mid_way_resumes_to_the_uninterrupted_text(work, reference, victim):
     """SIGKILL of rank 0 or rank 1, or SIGTERM to the `--tp 2` command, once 64 tokens are checkpointed; then
-    `swiftwrite resume` (which starts 2 ranks again, as the run recorded) completes it."""
+    `swiftwrite resume` (which starts 2 ranks again, as the run recorded) completes it. Rank 0 waits for the test
+    inside the first checkpoint past 64 tokens (gates.Holds; the ranks inherit the launcher's environment) until
+    the kill, or until the forwarded SIGTERM has reached it, so the run is cut there however busy the machine."""
     name = "killed-" + victim.replace(" ", "")
-    launcher = start(work, *generate(work, name, "--tp", "2", "--budget", "16"))
-    deadline = time.monotonic() + 300
-    while ks.read_state(work / name).get("n_tokens", 0) < 64:
-        assert launcher.poll() is None, launcher.stderr.read()
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    if victim == "the command":
-        launcher.send_signal(signal.SIGTERM)
-    else:
-        os.kill(ranks_of(launcher.pid)[int(victim[-1])], signal.SIGKILL)
-    rc = launcher.wait(timeout=120)
+    with Holds(work / f"{name}.holds") as holds:
+        launcher = start(work, *generate(work, name, "--tp", "2", "--budget", "16"), **holds.env())
+        past_64 = holds.until(launcher, lambda: ks.read_state(work / name).get("n_tokens", 0) >= 64)
+        assert past_64, launcher.stderr.read()
+        if victim == "the command":
+            launcher.send_signal(signal.SIGTERM)
+            assert holds.signalled(launcher, signal.SIGTERM), launcher.stderr.read()  # forwarded to rank 0
+        else:
+            os.kill(ranks_of(launcher.pid)[int(victim[-1])], signal.SIGKILL)
+        holds.open()
+        rc = launcher.wait(timeout=120)
     err = launcher.stderr.read()
     assert rc != 0 and f"swiftwrite resume" in err, err
     assert len(err.strip().splitlines()) == 1, err  # one sentence, from rank 0 or the launcher
