@@ -30,8 +30,9 @@ LAYERS = [
     ["durable", "rounds", "prompt", "rundir", "ui", "metrics"],
     # loading: the model store, device and threads, ranks, model + engine assembled; training heads
     ["store", "devices", "threads", "ranks", "backends", "peers", "loading", "headdata", "train_heads"],
-    # the writer (and the bench harness beside it): outlines, a session of the run loop, prompt in, document out
-    ["outline", "session", "edits", "writer", "bench"],
+    # the writer (and the bench harness beside it): outlines, interruptions, a session of the run loop and its
+    # statistics, prompt in, document out
+    ["outline", "interrupts", "runstats", "session", "edits", "writer", "bench"],
     # the command line
     ["cli", "__main__", "__init__"],
 ]
