@@ -57,32 +57,7 @@ class LeanModel:
             self.embed = get("model.embed_tokens.weight")
             self.lm_head = self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights else get("lm_head.weight")
         self.final_norm = get("model.norm.weight")
-        self.layers = []
-        for i in range(cfg.n_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            layer = {
-                "in_norm": get(p + "input_layernorm.weight"),
-                "post_norm": get(p + "post_attention_layernorm.weight"),
-                "bo": get(a + "o_proj.bias") if a + "o_proj.bias" in weights else None,
-                "b_gate_up": torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])
-                if p + "mlp.gate_proj.bias" in weights else None,
-                "b_down": get(p + "mlp.down_proj.bias") if p + "mlp.down_proj.bias" in weights else None,
-                "bqkv": torch.cat([get(a + f"{x}_proj.bias") for x in "qkv"]) if cfg.attn_bias else None,
-            }
-            if quantized:
-                layer.update({w: quantized[f"layers.{i}.{w}"] for w in ("wqkv", "wo", "w_gate_up", "w_down")})
-            else:
-                layer.update({
-                    "wqkv": torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"]),
-                    "wo": get(a + "o_proj.weight"),
-                    "w_gate_up": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-                    "w_down": get(p + "mlp.down_proj.weight"),
-                })
-            if cfg.qk_norm:
-                layer["q_norm"] = get(a + "q_norm.weight")
-                layer["k_norm"] = get(a + "k_norm.weight")
-            self.layers.append(layer)
+        self.layers = [self._layer(i, weights, get, quantized) for i in range(cfg.n_layers)]
         # product -> pad single rows to two (half precision, where one row alone rounds otherwise: torch's bfloat16
         # CPU matmul; a GPU's one-row path may too): fixed at load, before any step, so plain and speculative runs
         # compute a step's row alike
@@ -113,6 +88,34 @@ class LeanModel:
         """The product piece sizes that keep a tree's rows to a single step's bits (exact.check): exact_rows only."""
         self.rows = rows
 
+    def _layer(self, i: int, weights: dict[str, torch.Tensor], get, quantized: dict | None) -> dict:
+        """Decoder layer `i`'s tensors by their fused names: q/k/v and gate/up concatenated (their biases too)."""
+        cfg = self.cfg
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        layer = {
+            "in_norm": get(p + "input_layernorm.weight"),
+            "post_norm": get(p + "post_attention_layernorm.weight"),
+            "bo": get(a + "o_proj.bias") if a + "o_proj.bias" in weights else None,
+            "b_gate_up": torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])
+            if p + "mlp.gate_proj.bias" in weights else None,
+            "b_down": get(p + "mlp.down_proj.bias") if p + "mlp.down_proj.bias" in weights else None,
+            "bqkv": torch.cat([get(a + f"{x}_proj.bias") for x in "qkv"]) if cfg.attn_bias else None,
+        }
+        if quantized:
+            layer.update({w: quantized[f"layers.{i}.{w}"] for w in ("wqkv", "wo", "w_gate_up", "w_down")})
+        else:
+            layer.update({
+                "wqkv": torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"]),
+                "wo": get(a + "o_proj.weight"),
+                "w_gate_up": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                "w_down": get(p + "mlp.down_proj.weight"),
+            })
+        if cfg.qk_norm:
+            layer["q_norm"] = get(a + "q_norm.weight")
+            layer["k_norm"] = get(a + "k_norm.weight")
+        return layer
+
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.cfg, capacity, self.device, self.dtype)
 
@@ -136,17 +139,29 @@ class LeanModel:
         `kv` replaces the cache for a one-token draft forward: kv(layer, q, k, v) -> (keys, values) to attend
         to, all visible (draftcache.PartialCache); nothing is written anywhere and `cache` is ignored.
         """
-        cfg = self.cfg
         n = ids.shape[0]
         if kv is not None and (n != 1 or mask is not None):
             raise ValueError("a draft forward through `kv` takes exactly one token and no mask")
         start = cache.length if kv is None else 0
+        if kv is None and start + n > cache.capacity:
+            raise RuntimeError(f"KV cache overflow: {start + n} slots needed, {cache.capacity} allocated")
+        check_positions(positions, self.cfg)
+        tree = mask is not None and kv is None and n > 1
+        attend, apart = self._attend_for(n, start, mask, cache, kv, tree)
+        # trees only: plain and speculative runs prefill alike
+        rows = self._exact_rows() if self.exact_rows and tree and apart else None
+        # a float32 tree on a CPU: products over a faster row count (row_plan). Trees only: single steps and
+        # prefill chunks keep their rows, so plain decoding is what it was.
+        grow = self.row_plan[n] if self.pads_trees and tree and self.row_plan and n < len(self.row_plan) else 0
+        hidden = self._layers(ids, positions, attend, rows, grow)
+        return self._logits(hidden, logits_for, rows, grow), hidden
+
+    def _attend_for(self, n: int, start: int, given: torch.Tensor | None, cache: KVCache, kv, tree: bool):
+        """`attend(layer, q, k, v) -> [n, H*D]` for one forward (see forward's arguments; `given`: its mask), and
+        whether its rows are computed apart, one by one or by the Triton kernel (a tree's products then go in pieces)."""
+        H, D = self.cfg.n_heads, self.cfg.head_dim
         end = start + n
-        if kv is None and end > cache.capacity:
-            raise RuntimeError(f"KV cache overflow: {end} slots needed, {cache.capacity} allocated")
-        check_positions(positions, cfg)
-        H, D = cfg.n_heads, cfg.head_dim
-        given = mask  # None (causal) or the caller's mask, before it is completed with the cache's columns
+        mask = given  # None (causal) or the caller's mask, completed here with the cache's columns
         attn_mask = None
         if mask is not None or n > 1:
             if mask is None:
@@ -154,7 +169,6 @@ class LeanModel:
             if mask.shape[1] == n and start:
                 mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=self.device), mask], dim=1)
             attn_mask = mask
-        tree = given is not None and kv is None and n > 1
         # An exact model with the Triton kernel sends its single steps through the kernel too (a node alone): a
         # tree node's attention is then the bits of a step by the kernel's construction (kernels/tree_attention.py).
         step_kernel = self.exact_rows and self.gpu.tree is not None and kv is None and n == 1 and given is None
@@ -183,13 +197,7 @@ class LeanModel:
                 return self.gpu.flash_causal(q, cache.k[li, :, :end], cache.v[li, :, :end], self.scale)
             return attention(q, cache.k[li, :, :end], cache.v[li, :, :end], attn_mask, self.scale)
 
-        # trees only: plain and speculative runs prefill alike
-        rows = self._exact_rows() if self.exact_rows and tree and (paths is not None or bits is not None) else None
-        # a float32 tree on a CPU: products over a faster row count (row_plan). Trees only: single steps and
-        # prefill chunks keep their rows, so plain decoding is what it was.
-        grow = self.row_plan[n] if self.pads_trees and tree and self.row_plan and n < len(self.row_plan) else 0
-        hidden = self._layers(ids, positions, attend, rows, grow)
-        return self._logits(hidden, logits_for, rows, grow), hidden
+        return attend, paths is not None or bits is not None
 
     def _exact_rows(self) -> dict[str, int]:
         """The products' piece sizes for a tree's rows (exact.py), measured once per product shape and process."""

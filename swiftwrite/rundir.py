@@ -162,6 +162,22 @@ class RunDir:
             rounds.roll_forward(p, at.get("round", 1), STATE, PREV, TOKENS, TEXT)
         except OSError as e:
             raise UserError(f"could not finish starting the new round in {p} ({os_reason(e)}); free space and resume again.") from e
+        self._load_meta()
+        notes = self._load_state()
+        extra = self._load_tokens()
+        if self._load_text() or extra:
+            notes.append(f"recovered from the checkpoint at {len(self.tokens)} tokens"
+                         + (f" (dropped {extra // 4} tokens written after it)" if extra // 4 else ""))
+        self.recovered = "; ".join(notes) + "." if notes else None
+        want = self._state["drafter_sha256"]
+        self._load_drafter(want)
+        prev, _, _ = _read_state(p / PREV)
+        self._sweep_drafters(want, prev["drafter_sha256"] if prev else None)
+        self._open_appenders()
+
+    def _load_meta(self) -> None:
+        """What was written once, at create: meta.json, config.yaml, prompt.txt, outline.json."""
+        p = self.path
         try:
             meta = json.loads((p / META).read_text())
             if meta.get("format", 1) > FORMAT:
@@ -178,7 +194,11 @@ class RunDir:
         except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError) as e:
             raise UserError(f"the run metadata in {p} is unreadable ({e}); "
                             "the run cannot be resumed, start a new one.") from e
-        notes = []
+
+    def _load_state(self) -> list[str]:
+        """The last readable checkpoint (state.json, else state.prev.json), its round and that round's outline.
+        Returns the notes for `recovered`."""
+        p, notes = self.path, []
         state, raw, why = _read_state(p / STATE)
         if state is None:
             state, raw, why_prev = _read_state(p / PREV)
@@ -194,8 +214,12 @@ class RunDir:
             except (OSError, ValueError) as e:
                 raise UserError(f"the outline of round {self.round} in {p} is unreadable ({e}); "
                                 "the run cannot be resumed exactly, start a new one.") from e
+        return notes
 
-        # Tokens: the document depends on every id, so anything but "longer than recorded" is fatal.
+    def _load_tokens(self) -> int:
+        """The checkpoint's tokens. The document depends on every id, so anything but "longer than recorded" is
+        fatal; what runs past the checkpoint is cut off. Returns how many bytes were cut."""
+        p, state = self.path, self._state
         n_bytes = state["n_tokens"] * 4
         try:
             data = (p / TOKENS).read_bytes()
@@ -207,54 +231,52 @@ class RunDir:
         if why:
             raise UserError(f"{p / TOKENS} is damaged ({why}); the run cannot be resumed exactly, "
                             "start it again with the same prompt and settings.")
-        cut = len(data) > n_bytes
-        if cut:
+        if len(data) > n_bytes:
             os.truncate(p / TOKENS, n_bytes)
         self._tok_hash = hashlib.sha256(data[:n_bytes])
         self.tokens = unpack_ids(data[:n_bytes])
+        return len(data) - n_bytes
 
-        # Text: derived from the tokens, so damage here is repairable by the caller (replace_text).
-        self._text_bytes = state["text_bytes"]
+    def _load_text(self) -> bool:
+        """The checkpoint's text. It is derived from the tokens, so damage here is repairable by the caller
+        (replace_text). Returns whether text past the checkpoint was cut off."""
+        p = self.path
+        self._text_bytes = self._state["text_bytes"]
         try:
             text = (p / TEXT).read_bytes()
         except OSError:
             text = b""
-        if len(text) < self._text_bytes or sha256(text[: self._text_bytes]) != state["text_sha256"]:
+        if len(text) < self._text_bytes or sha256(text[: self._text_bytes]) != self._state["text_sha256"]:
             self.text_damaged = True
             self.warnings.append(f"{TEXT} does not match the checkpoint; it must be rewritten from the tokens.")
-        else:
-            if len(text) > self._text_bytes:
-                os.truncate(p / TEXT, self._text_bytes)
-                cut = True
-            self._text_hash = hashlib.sha256(text[: self._text_bytes])
+            return False
+        cut = len(text) > self._text_bytes
         if cut:
-            dropped = len(data) // 4 - len(self.tokens)
-            notes.append(f"recovered from the checkpoint at {len(self.tokens)} tokens"
-                         + (f" (dropped {dropped} tokens written after it)" if dropped else ""))
-        self.recovered = "; ".join(notes) + "." if notes else None
+            os.truncate(p / TEXT, self._text_bytes)
+        self._text_hash = hashlib.sha256(text[: self._text_bytes])
+        return cut
 
-        # Drafter: only speed depends on it, so a bad one is a warning and a cold start.
-        want = state["drafter_sha256"]
-        if want:
-            for name in (drafter_file(want), DRAFTER):
-                try:
-                    blob = (p / name).read_bytes()
-                except OSError:
-                    continue
-                if sha256(blob) == want:
-                    self._drafter = blob
-                    if name == DRAFTER:  # the old layout: give it the name the sweeps below keep
-                        try:
-                            os.replace(p / DRAFTER, p / drafter_file(want))
-                        except OSError:
-                            pass
-                    break
-            if self._drafter is None:
-                self.warnings.append(f"the drafter state {drafter_file(want)} is missing or damaged; the drafter starts "
-                                     "cold (the text is unaffected, only the speed).")
-        prev, _, _ = _read_state(p / PREV)
-        self._sweep_drafters(want, prev["drafter_sha256"] if prev else None)
-        self._open_appenders()
+    def _load_drafter(self, want: str | None) -> None:
+        """The drafter state the checkpoint names. Only speed depends on it, so a bad one is a warning and a cold
+        start."""
+        if not want:
+            return
+        for name in (drafter_file(want), DRAFTER):
+            try:
+                blob = (self.path / name).read_bytes()
+            except OSError:
+                continue
+            if sha256(blob) == want:
+                self._drafter = blob
+                if name == DRAFTER:  # the old layout: give it the name the sweeps below keep
+                    try:
+                        os.replace(self.path / DRAFTER, self.path / drafter_file(want))
+                    except OSError:
+                        pass
+                break
+        if self._drafter is None:
+            self.warnings.append(f"the drafter state {drafter_file(want)} is missing or damaged; the drafter starts "
+                                 "cold (the text is unaffected, only the speed).")
 
     def _open_appenders(self) -> None:
         self._tokens_fh = open(self.path / TOKENS, "ab")

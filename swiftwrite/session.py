@@ -8,16 +8,13 @@ stats JSON are all read from that one record.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
 import resource
-import shlex
-import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,11 +28,13 @@ from .bans import MAX_RETRIES
 from .engine import SOURCES, Engine, Step
 from .errors import RankLost, UserError
 from .curves import Curves
-from .metrics import distinct, distinct_n, distinct_per_window, longest_repeat
+from .interrupts import Interrupt, interrupted_before_the_loop, lost, resume_command, until_a_rank_is_lost
+from .metrics import distinct, distinct_per_window, longest_repeat
 from .prompt import TextStream
 from .records import Loaded, Resolved
 from .repetition import LOOP_WARN, LoopWatch
 from .rundir import RunDir
+from .runstats import RunStats, plain_int
 from .ui import QUALITY_WINDOW, WORDS_WINDOW, Display, Progress
 
 if TYPE_CHECKING:  # named in annotations only: the session reads the settings the assembly built, never edits them
@@ -66,130 +65,21 @@ def unpack_state(blob: bytes | None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Interruptions
-
-
-class Interrupt:
-    """First Ctrl-C / SIGTERM: finish the step, checkpoint, exit 130 / 143. Second one: exit at once."""
-
-    def __init__(self):
-        self.signum = 0
-
-    def __enter__(self):
-        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signum:
-            os._exit(128 + signum)
-        self.signum = signum
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-
-
-def resume_command(rd: RunDir) -> str:
-    return f"swiftwrite resume {shlex.quote(str(rd.path))}"
-
-
-def lost(e: RankLost) -> str:
-    return f"another rank of this tensor-parallel run ended ({e})"
-
-
-@contextlib.contextmanager
-def interrupted_before_the_loop(rd: RunDir):
-    """Ctrl-C (or a lost tensor-parallel rank) during the prefill or the cost measurement: nothing new to save,
-    but say how to continue."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        e = UserError(f"interrupted at {len(rd.tokens)} tokens, before writing more; the run is saved. "
-                      f"Continue with: {resume_command(rd)}")
-        e.exit_code = 130  # like every other Ctrl-C
-        raise e from None
-    except RankLost as e:
-        raise UserError(f"{lost(e)} at {len(rd.tokens)} tokens, before writing more; the run is saved. "
-                        f"Continue with: {resume_command(rd)}") from None
-
-
-def _until_a_rank_is_lost(steps, lost: list):
-    """The engine's steps until a tensor-parallel collective fails; then the failure is put in `lost` and the
-    steps end, so the loop can checkpoint what was committed before it."""
-    try:
-        yield from steps
-    except RankLost as e:
-        lost.append(e)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Run statistics
+# The session
 
 
 @dataclass
-class RunStats:
-    """What this process has written, counted step by step; the panel, checkpoints and stats JSON read it."""
+class _Writing:
+    """What one `Session.write` carries from step to step, besides its RunStats."""
 
-    target: int  # tokens the document should reach
-    done: int  # tokens in the document now (earlier processes included)
-    per_source: dict[str, int]  # draft source name -> tokens accepted from it
-    history: list = field(default_factory=list)  # earlier processes of this run, one dict each, oldest first
-    made: int = 0  # tokens this process wrote
-    forwards: int = 0
-    forced: int = 0  # outline headings among `made`: committed without a forward, so not in tokens per forward
-    drafted: int = 0  # draft nodes verified
-    since: int = 0  # tokens since the last checkpoint
-    checkpoints: int = 0
-    last_checkpoint: float = 0.0  # time.time() of the last one
-    tail: str = ""  # the latest text, for the panel
-    repeat: int = 0  # the longest verbatim repeat the text is in now
-    stopped: str | None = None  # why the run ended early: "loop", "signal"
-    distinct_4: float | None = None
-    distinct_1: float | None = None
-    distinct_at: float = 0.0  # perf_counter() of the last Distinct measurement
-    backtracks: int = 0  # banned phrases: times decoding went back, every process of the run
-    t0: float = field(default_factory=time.perf_counter)
-
-    @classmethod
-    def of(cls, rd: RunDir, target: int, sources) -> RunStats:
-        prev = rd.stats or {}
-        return cls(target, len(rd.tokens), {s.name: 0 for s in sources}, cls.history_of(prev),
-                   backtracks=plain_int((prev.get("banned_phrases") or {}).get("backtracks"), 1 << 62))
-
-    @staticmethod
-    def history_of(prev: dict) -> list:
-        """The earlier processes of a run, from its last checkpoint's stats: theirs, then the one that wrote it."""
-        earlier = prev.get("earlier_processes")
-        return [*(earlier if isinstance(earlier, list) else []),
-                *([{k: prev.get(k) for k in ("tokens", "seconds", "forward_passes")}] if prev.get("tokens") else [])]
-
-    def count(self, step: Step, sources) -> None:
-        n = len(step.tokens)
-        self.forwards += 0 if step.forced else 1
-        self.forced += n if step.forced else 0
-        self.drafted += step.drafted
-        self.backtracks += step.backtracks
-        self.made += n
-        self.done += n
-        self.since += n
-        for mask in step.accepted_sources:
-            for src in sources:
-                if mask >> src.id & 1:
-                    self.per_source[src.name] += 1
-
-    def seconds(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def measure_distinct(self, tokens: list[int]) -> float | None:
-        recent = tokens[-QUALITY_WINDOW:]
-        self.distinct_4 = round(distinct_n(recent, 4), 4) if len(recent) >= 4 else None
-        self.distinct_at = time.perf_counter()
-        self.distinct_1 = round(distinct_n(recent[-WORDS_WINDOW:], 1), 3) if len(recent) >= WORDS_WINDOW else None
-        return self.distinct_4
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The session
+    rd: RunDir
+    out: object  # standard output or the --out file
+    st: RunStats
+    stream: TextStream  # token ids to text (a character's bytes may span tokens: those wait in `pending`)
+    watch: LoopWatch
+    gov: threads.Governor | None  # --threads 0 on a CPU: the thread count follows the machine's load
+    warned: bool = False  # this loop was reported; a resumed run inside one reports it again, once
+    armed: bool = True  # --stop-on-loop may stop the run (see Session._begin)
 
 
 @dataclass
@@ -275,106 +165,137 @@ class Session:
 
     def write(self, rd: RunDir, out, stats_json: Path | None) -> int:
         """Write until the target, a loop stop, a signal or a lost rank; checkpoint; return the exit code."""
-        cfg, engine, display, sched = self.cfg, self.engine, self.display, self.sched
-        st = RunStats.of(rd, cfg.tokens, engine.sources)
+        w = self._begin(rd, out)
+        self.display.start()
+        try:
+            # Inference mode for the whole loop: no autograd bookkeeping on any tensor the engine makes or edits.
+            with Interrupt() as intr, torch.inference_mode():
+                left = w.st.target - w.st.done
+                steps = self.engine.run(left) if self.sched is None else \
+                    outlines.drive(self.engine, self.sched, left, list(rd.tokens))
+                for step in until_a_rank_is_lost(steps, rank_lost := []):
+                    if not self._commit(w, step) or intr.signum:
+                        break
+                # a signal on the very last step is simply a finished run; a lost rank's step committed nothing, so
+                # every token before it is sound
+                if rank_lost or (intr.signum and w.st.done < w.st.target):
+                    return self._interrupted(w, rank_lost[0] if rank_lost else None, intr.signum)
+                self._end(w)
+        finally:
+            self.display.stop()
+        return self._finish(w, stats_json)
+
+    def _begin(self, rd: RunDir, out) -> _Writing:
+        """What a write follows from step to step, picked up where the run directory left off."""
+        cfg = self.cfg
+        st = RunStats.of(rd, cfg.tokens, self.engine.sources)
         prev = rd.stats or {}
         stream = TextStream(self.lm.tok, rd.prompt_ids + rd.tokens, pending=plain_int(prev.get("text_pending_tokens"), st.done))
         # The loop alarm reads the output only (a prompt may quote itself) and is a pure function of it, so a
         # resumed run rebuilds it from the tokens instead of storing it.
         watch = LoopWatch(rd.tokens)
         st.repeat = watch.current
-        warned = False  # this loop was reported; a resumed run inside one reports it again, once
         # --stop-on-loop stops when a repeat reaches N in this process: a run resumed from such a stop is already
         # past N and would stop again after one step, so its loop must end (drop under the floor) first
         armed = st.repeat < cfg.stop_on_loop
         # --threads 0 on a CPU: the thread count follows the machine's load, through counts that give the same bits
-        gov = threads.governor_for(engine.model, cfg.threads, self.lm.device)
+        gov = threads.governor_for(self.engine.model, cfg.threads, self.lm.device)
+        return _Writing(rd, out, st, stream, watch, gov, armed=armed)
 
-        def checkpoint(finished: bool = False):
-            rd.checkpoint(self.stats(st, rd, len(stream.pending), gov), pack_state(engine.drafter_state()),
-                          finished=finished)
-            st.since, st.checkpoints, st.last_checkpoint = 0, st.checkpoints + 1, time.time()
-            rd.log_progress(self.log_line(st, rd))
+    def _commit(self, w: _Writing, step: Step) -> bool:
+        """One step into the run directory, the output, the statistics and the panel; False: --stop-on-loop ends
+        the run here."""
+        st, display = w.st, self.display
+        st.count(step, self.engine.sources)
+        if step.let_through:
+            display.alert(f"swiftwrite: a banned phrase was chosen again after {MAX_RETRIES} other first "
+                          f"tokens were tried at the same place (near token {st.done}); it stays in the text.")
+        text = w.stream.push(step.tokens)
+        w.rd.append(step.tokens, text)
+        if text:
+            self._emit(w, text)
+            st.tail = (st.tail + text)[-400:]
+        if self._loops(w, step.tokens):
+            st.stopped = "loop"
+            return False
+        if st.since >= self.cfg.chunk and st.done < st.target:  # the last chunk is the final checkpoint (_end)
+            self._checkpoint(w)
+        display.update(self.progress(st, w.rd))
+        if w.gov is not None and (moved := w.gov.tick()):
+            display.info(moved)
+        return True
 
-        def emit(text: str):
-            try:
-                out.write(text)
-                out.flush()
-            except OSError as e:  # a full disk under --out, or a closed pipe: the run dir still has every token
-                if out is sys.stdout and isinstance(e, BrokenPipeError):
-                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-                checkpoint()
-                where = "standard output" if out is sys.stdout else f"--out {out.name}"
-                raise UserError(f"could not write to {where} ({e.strerror or e}); the run is saved at "
-                                f"{st.done}/{st.target} tokens, continue with: {resume_command(rd)}") from None
+    def _loops(self, w: _Writing, tokens: list[int]) -> bool:
+        """Follow the text's verbatim repeat, warn once per loop; True: --stop-on-loop ends the run here."""
+        st, cfg = w.st, self.cfg
+        st.repeat = w.watch.extend(tokens)
+        if st.repeat == 0:  # under the floor: the loop (if any) has ended, the next one is news
+            w.warned, w.armed = False, True
+        elif st.repeat >= LOOP_WARN and not w.warned:
+            w.warned = True
+            # Printed even with --quiet, like an interruption: a loop spoils the rest of the document.
+            self.display.alert(f"swiftwrite: the text is repeating itself verbatim ({st.repeat} tokens so far, "
+                               f"at token {st.done}); start a new run with a higher --dry-multiplier (now "
+                               f"{cfg.dry_multiplier:g}), or add --stop-on-loop N to end runs when this happens.")
+        return bool(cfg.stop_on_loop and w.armed and st.repeat >= cfg.stop_on_loop and st.done < st.target)
 
-        display.start()
+    def _checkpoint(self, w: _Writing, finished: bool = False) -> None:
+        st, rd = w.st, w.rd
+        rd.checkpoint(self.stats(st, rd, len(w.stream.pending), w.gov), pack_state(self.engine.drafter_state()),
+                      finished=finished)
+        st.since, st.checkpoints, st.last_checkpoint = 0, st.checkpoints + 1, time.time()
+        rd.log_progress(self.log_line(st, rd))
+
+    def _emit(self, w: _Writing, text: str) -> None:
+        out = w.out
         try:
-            # Inference mode for the whole loop: no autograd bookkeeping on any tensor the engine makes or edits.
-            with Interrupt() as intr, torch.inference_mode():
-                steps = engine.run(st.target - st.done) if sched is None else \
-                    outlines.drive(engine, sched, st.target - st.done, list(rd.tokens))
-                for step in _until_a_rank_is_lost(steps, rank_lost := []):
-                    st.count(step, engine.sources)
-                    if step.let_through:
-                        display.alert(f"swiftwrite: a banned phrase was chosen again after {MAX_RETRIES} other first "
-                                      f"tokens were tried at the same place (near token {st.done}); it stays in the text.")
-                    text = stream.push(step.tokens)
-                    rd.append(step.tokens, text)
-                    if text:
-                        emit(text)
-                        st.tail = (st.tail + text)[-400:]
-                    st.repeat = watch.extend(step.tokens)
-                    if st.repeat == 0:  # under the floor: the loop (if any) has ended, the next one is news
-                        warned, armed = False, True
-                    elif st.repeat >= LOOP_WARN and not warned:
-                        warned = True
-                        # Printed even with --quiet, like an interruption: a loop spoils the rest of the document.
-                        display.alert(f"swiftwrite: the text is repeating itself verbatim ({st.repeat} tokens so far, "
-                                      f"at token {st.done}); start a new run with a higher --dry-multiplier (now "
-                                      f"{cfg.dry_multiplier:g}), or add --stop-on-loop N to end runs when this happens.")
-                    if cfg.stop_on_loop and armed and st.repeat >= cfg.stop_on_loop and st.done < st.target:
-                        st.stopped = "loop"
-                        break
-                    if st.since >= cfg.chunk and st.done < st.target:  # the last chunk is the final checkpoint below
-                        checkpoint()
-                    display.update(self.progress(st, rd))
-                    if gov is not None and (moved := gov.tick()):
-                        display.info(moved)
-                    if intr.signum:
-                        break
-                # a signal on the very last step is simply a finished run; a lost rank's step committed nothing, so
-                # every token before it is sound
-                if rank_lost or (intr.signum and st.done < st.target):
-                    st.stopped = None if rank_lost else "signal"
-                    checkpoint()
-                    display.update(self.progress(st, rd), force=True)
-                    display.stop()
-                    out.flush()
-                    # Printed even with --quiet: without it an interrupted run is easy to lose.
-                    why = lost(rank_lost[0]) if rank_lost else "interrupted"
-                    print(f"swiftwrite: {why} at {st.done}/{st.target} tokens; the run is saved. Continue with: "
-                          f"{resume_command(rd)}", file=sys.stderr, flush=True)
-                    return 128 + intr.signum if intr.signum else 1
-                if st.stopped == "loop":  # pending text stays pending, as at an interruption: the resume completes it
-                    checkpoint()
-                else:
-                    rest = stream.flush()
-                    if rest:
-                        rd.append([], rest)
-                        emit(rest)
-                    checkpoint(finished=True)
-                display.update(self.progress(st, rd), force=True)
-        finally:
-            display.stop()
+            out.write(text)
+            out.flush()
+        except OSError as e:  # a full disk under --out, or a closed pipe: the run dir still has every token
+            if out is sys.stdout and isinstance(e, BrokenPipeError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            self._checkpoint(w)
+            where = "standard output" if out is sys.stdout else f"--out {out.name}"
+            raise UserError(f"could not write to {where} ({e.strerror or e}); the run is saved at "
+                            f"{w.st.done}/{w.st.target} tokens, continue with: {resume_command(w.rd)}") from None
+
+    def _interrupted(self, w: _Writing, rank_lost: RankLost | None, signum: int) -> int:
+        """A signal or a lost rank before the target: checkpoint, say how to continue, return the exit code."""
+        st = w.st
+        st.stopped = None if rank_lost else "signal"
+        self._checkpoint(w)
+        self.display.update(self.progress(st, w.rd), force=True)
+        self.display.stop()
+        w.out.flush()
+        # Printed even with --quiet: without it an interrupted run is easy to lose.
+        why = lost(rank_lost) if rank_lost else "interrupted"
+        print(f"swiftwrite: {why} at {st.done}/{st.target} tokens; the run is saved. Continue with: "
+              f"{resume_command(w.rd)}", file=sys.stderr, flush=True)
+        return 128 + signum if signum else 1
+
+    def _end(self, w: _Writing) -> None:
+        """The last checkpoint of a run that reached its target, or that --stop-on-loop stopped."""
+        if w.st.stopped == "loop":  # pending text stays pending, as at an interruption: the resume completes it
+            self._checkpoint(w)
+        else:
+            rest = w.stream.flush()
+            if rest:
+                w.rd.append([], rest)
+                self._emit(w, rest)
+            self._checkpoint(w, finished=True)
+        self.display.update(self.progress(w.st, w.rd), force=True)
+
+    def _finish(self, w: _Writing, stats_json: Path | None) -> int:
+        """After the last checkpoint: the summary, --stats-json, and the exit code (3: stopped by a loop)."""
+        out, st, rd, cfg, display = w.out, w.st, w.rd, self.cfg, self.display
         try:
             if out is sys.stdout and sys.stdout.isatty():
                 out.write("\n")  # the shell prompt on a line of its own; not part of the document
             out.flush()
         except OSError:
-            pass  # the run is checkpointed; emit() reported any earlier failure
+            pass  # the run is checkpointed; _emit() reported any earlier failure
         # The whole output's figures (longest_repeat is O(n log n), 0.3 s at 100K tokens): once, not per checkpoint
-        final = {**self.stats(st, rd, len(stream.pending), gov), "distinct": distinct(rd.tokens),
+        final = {**self.stats(st, rd, len(w.stream.pending), w.gov), "distinct": distinct(rd.tokens),
                  "longest_repeat": longest_repeat(rd.tokens),
                  f"distinct_1_per_{WORDS_WINDOW}": distinct_per_window(rd.tokens, WORDS_WINDOW)}
         display.summary(final)
@@ -408,9 +329,6 @@ def open_out(path: Path | None, append_text: str | None = None):
     return fh
 
 
-def plain_int(v, upper: int) -> int:
-    """`v` if it is an int in [0, upper] (not a bool), else 0: for numbers read back from a checkpoint."""
-    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= upper else 0
 
 
 def _rss() -> int:

@@ -150,11 +150,7 @@ def fit(model, windows: list[np.ndarray], held: list[np.ndarray], *, gamma: int 
     H = hidden_states(model, windows, log)
     T = torch.from_numpy(targets(windows, gamma))
     t_hidden = time.time()
-    vocab_ids = torch.from_numpy(choose_vocab(T[:cut].numpy(), vocab))
-    where = torch.full((model.cfg.vocab_size,), -1, dtype=torch.long)
-    where[vocab_ids] = torch.arange(vocab_ids.numel())
-    index = torch.where(T >= 0, where[T.clamp(min=0)], T)
-    train_set, held = Split(H[:cut], T[:cut], index[:cut]), Split(H[cut:], T[cut:], index[cut:])
+    vocab_ids, train_set, held = _split(H, T, cut, vocab, model.cfg.vocab_size)
     usable = torch.nonzero(train_set.index[:, 0] >= 0)[:, 0]  # positions whose head-1 target is in the vocabulary
     if usable.numel() == 0:
         raise UserError("no training position has a next-but-one token to learn; give more text.")
@@ -164,6 +160,37 @@ def fit(model, windows: list[np.ndarray], held: list[np.ndarray], *, gamma: int 
     untrained = evaluate(heads, lm, held)
     log(f"vocabulary: {vocab_ids.numel()} tokens (covering {untrained['in_vocab'][0]:.1%} of held-out targets); "
         f"untrained heads: top-1 {_fmt(untrained['top1'])}, loss {_fmt(untrained['loss'], 2)}")
+    ema = _optimize(model, heads, lm, train_set, usable, gamma=gamma, steps=steps, batch=batch, lr=lr,
+                    distill=distill, seed=seed, log=log, progress=progress)
+    t_train = time.time()
+    result = evaluate(heads, lm, held)
+    report = {
+        "heldout": result,
+        "untrained": untrained,
+        "base_next_token": base_accuracy(model, held),
+        "train_loss": [round(x, 3) for x in ema.tolist()],
+        "train_tokens": cut,
+        "heldout_tokens": held.tokens.shape[0],
+        "vocab_size": vocab_ids.numel(),
+        "seconds": {"hidden_states": round(t_hidden - t0, 1), "train": round(t_train - t_hidden, 1)},
+    }
+    return heads, report
+
+
+def _split(H: torch.Tensor, T: torch.Tensor, cut: int, vocab: int, vocab_size: int) -> tuple[torch.Tensor, Split, Split]:
+    """The heads' vocabulary (at most `vocab` of the training part's most frequent targets), and the training
+    (positions before `cut`) and held-out parts with their targets as rows of it."""
+    vocab_ids = torch.from_numpy(choose_vocab(T[:cut].numpy(), vocab))
+    where = torch.full((vocab_size,), -1, dtype=torch.long)
+    where[vocab_ids] = torch.arange(vocab_ids.numel())
+    index = torch.where(T >= 0, where[T.clamp(min=0)], T)
+    return vocab_ids, Split(H[:cut], T[:cut], index[:cut]), Split(H[cut:], T[cut:], index[cut:])
+
+
+def _optimize(model, heads: Heads, lm: torch.Tensor, train_set: Split, usable: torch.Tensor, *, gamma: int, steps: int,
+              batch: int, lr: float, distill: float, seed: int, log, progress: bool) -> torch.Tensor:
+    """`steps` AdamW steps over batches drawn from the `usable` positions; the heads come out frozen. Returns
+    the running (EMA) loss per head [γ]."""
     opt = torch.optim.AdamW(heads.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     ema, every = None, max(1, steps // 10)
@@ -188,19 +215,7 @@ def fit(model, windows: list[np.ndarray], held: list[np.ndarray], *, gamma: int 
         if bar is not None:
             bar.close()
     heads.requires_grad_(False)
-    t_train = time.time()
-    result = evaluate(heads, lm, held)
-    report = {
-        "heldout": result,
-        "untrained": untrained,
-        "base_next_token": base_accuracy(model, held),
-        "train_loss": [round(x, 3) for x in ema.tolist()],
-        "train_tokens": cut,
-        "heldout_tokens": held.tokens.shape[0],
-        "vocab_size": vocab_ids.numel(),
-        "seconds": {"hidden_states": round(t_hidden - t0, 1), "train": round(t_train - t_hidden, 1)},
-    }
-    return heads, report
+    return ema
 
 
 def default_out(model_name: str) -> Path:
@@ -234,6 +249,37 @@ def train(
     both before anything is written."""
 
     model_dir = Path(model_dir)
+    out = _checked_out(model_dir, data, self_distill, out, steps=steps, batch=batch, lr=lr, seq_len=seq_len,
+                       gamma=gamma, vocab=vocab)
+    if data is not None:  # the data is checked before anything slow happens
+        texts, what = read_texts(Path(data))
+    t0 = time.time()
+    fp = fingerprint(model_dir)
+    model = load_lean(model_dir)
+    if self_distill:
+        data, texts, what = _self_distill(model_dir, distill_out, distill_tokens, seed, log)
+    windows, held = _hold_out(_windows(model_dir, model, texts, seq_len, data, log))
+    log(f"data: {what}; {sum(map(len, windows)) + sum(map(len, held))} tokens in sequences of up to {seq_len}, "
+        f"{len(windows)} to train on, {len(held)} held out")
+    heads, report = fit(model, windows, held, gamma=gamma, steps=steps, batch=batch, lr=lr, vocab=vocab,
+                        distill=distill, seed=seed, log=log, progress=progress)
+    report["seconds"]["total"] = round(time.time() - t0, 1)
+    result, base = report["heldout"], report["base_next_token"]
+    meta = {"fingerprint": fp, "model": model_dir.name, "data": what + (f"; {data_note}" if data_note else ""),
+            "steps": str(steps), "batch": str(batch), "lr": repr(lr), "seq_len": str(seq_len), "distill": repr(distill),
+            "accuracy": {"top1": result["top1"], "top3": result["top3"]}, "heldout_loss": result["loss"],
+            "report": report, "created": time.strftime("%Y-%m-%d")}
+    save_heads(heads, out, meta)
+    log(f"held-out accuracy per head (tokens t+2..t+{gamma + 1}): top-1 {_fmt(result['top1'])}, "
+        f"top-3 {_fmt(result['top3'])}; the model's own next token: top-1 {base['top1']:.1%}")
+    log(f"wrote {out} in {time.time() - t0:.0f} s")
+    report["out"] = str(out)
+    return report
+
+
+def _checked_out(model_dir: Path, data: Path | None, self_distill: bool, out: Path | None, *, steps: int, batch: int,
+                 lr: float, seq_len: int, gamma: int, vocab: int) -> Path:
+    """The heads file `train` writes, once its options are checked (UsageError, before anything slow)."""
     for name, value, ok in (("--steps", steps, steps >= 1), ("--batch", batch, batch >= 1), ("--lr", lr, 0 < lr < 1),
                             ("--seq-len", seq_len, seq_len >= gamma + 2), ("gamma", gamma, 1 <= gamma <= 8),
                             ("vocab", vocab, vocab >= 3)):
@@ -244,17 +290,21 @@ def train(
     out = Path(out) if out is not None else default_out(model_dir.name)
     if out.is_dir():
         raise UsageError(f"--out {out} is a directory; give a file name ending in .safetensors.")
-    if data is not None:  # the data is checked before anything slow happens
-        texts, what = read_texts(Path(data))
-    t0 = time.time()
-    fp = fingerprint(model_dir)
-    model = load_lean(model_dir)
-    if self_distill:
-        data = Path(distill_out) if distill_out is not None else home() / "selfdistill.txt"
-        write_selfdistill(model_dir, data, new_tokens=distill_tokens, seed=seed, log=log)
-        texts, _ = read_texts(data)
-        what = (f"self-distilled: {len(texts)} samples of {distill_tokens} tokens from the novel/report templates, "
-                f"temperature 0.7, min_p 0.1, repetition penalty 1.2")
+    return out
+
+
+def _self_distill(model_dir: Path, distill_out: Path | None, distill_tokens: int, seed: int, log) -> tuple:
+    """(the file, its texts, their description) of the text the model writes itself to train on."""
+    data = Path(distill_out) if distill_out is not None else home() / "selfdistill.txt"
+    write_selfdistill(model_dir, data, new_tokens=distill_tokens, seed=seed, log=log)
+    texts, _ = read_texts(data)
+    what = (f"self-distilled: {len(texts)} samples of {distill_tokens} tokens from the novel/report templates, "
+            f"temperature 0.7, min_p 0.1, repetition penalty 1.2")
+    return data, texts, what
+
+
+def _windows(model_dir: Path, model, texts: list[str], seq_len: int, data: Path, log) -> list[np.ndarray]:
+    """The texts as token windows of up to `seq_len`, as many as the hidden-state cache (HIDDEN_BYTES) holds."""
     tok = transformers().AutoTokenizer.from_pretrained(str(model_dir))
     windows = token_windows(tok, texts, seq_len, str(data))
     cap = HIDDEN_BYTES // (4 * model.cfg.hidden_size)
@@ -262,37 +312,15 @@ def train(
         kept = np.cumsum([len(w) for w in windows]) <= cap
         windows = [w for w, k in zip(windows, kept) if k] or windows[:1]
         log(f"using the first {sum(map(len, windows))} tokens: their hidden states fill the {HIDDEN_BYTES >> 30} GB cache")
+    return windows
+
+
+def _hold_out(windows: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(to train on, held out): every round(1 / HELD_OUT)-th window is held out, or the last one of fewer."""
     every = round(1 / HELD_OUT)
     is_held = [k % every == every - 1 for k in range(len(windows))] if len(windows) >= every else \
         [k == len(windows) - 1 for k in range(len(windows))]
-    held = [w for w, h in zip(windows, is_held) if h]
-    windows = [w for w, h in zip(windows, is_held) if not h]
-    log(f"data: {what}; {sum(map(len, windows)) + sum(map(len, held))} tokens in sequences of up to {seq_len}, "
-        f"{len(windows)} to train on, {len(held)} held out")
-    heads, report = fit(model, windows, held, gamma=gamma, steps=steps, batch=batch, lr=lr, vocab=vocab,
-                        distill=distill, seed=seed, log=log, progress=progress)
-    report["seconds"]["total"] = round(time.time() - t0, 1)
-    result, base = report["heldout"], report["base_next_token"]
-    meta = {
-        "fingerprint": fp,
-        "model": model_dir.name,
-        "data": what + (f"; {data_note}" if data_note else ""),
-        "steps": str(steps),
-        "batch": str(batch),
-        "lr": repr(lr),
-        "seq_len": str(seq_len),
-        "distill": repr(distill),
-        "accuracy": {"top1": result["top1"], "top3": result["top3"]},
-        "heldout_loss": result["loss"],
-        "report": report,
-        "created": time.strftime("%Y-%m-%d"),
-    }
-    save_heads(heads, out, meta)
-    log(f"held-out accuracy per head (tokens t+2..t+{gamma + 1}): top-1 {_fmt(result['top1'])}, "
-        f"top-3 {_fmt(result['top3'])}; the model's own next token: top-1 {base['top1']:.1%}")
-    log(f"wrote {out} in {time.time() - t0:.0f} s")
-    report["out"] = str(out)
-    return report
+    return [w for w, h in zip(windows, is_held) if not h], [w for w, h in zip(windows, is_held) if h]
 
 
 def _fmt(xs, digits=None) -> str:
