@@ -18,6 +18,7 @@ import yaml
 
 from .errors import UsageError
 from .options import BY_NAME, OPTIONS
+from .userfiles import Kind, read_text
 
 DRAFT_CHOICES = ("none", "recycling", "ngram", "heads", "all")
 HEAD_MODES = ("fused", "two-pass")
@@ -210,17 +211,11 @@ def _apply(cfg: Config, values: dict, label, where: dict[str, str]) -> None:
         setattr(cfg, name, coerce(name, value, where[name]))
 
 
+YAML_FILE = Kind("config file", "give a YAML file", UsageError, missing="{name} {path} does not exist.")
+
+
 def load_yaml(path: Path) -> dict:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"config file {path} does not exist.") from None
-    except IsADirectoryError:
-        raise UsageError(f"config file {path} is a directory; give a YAML file.") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"config file {path} is not UTF-8 text; give a YAML file.") from None
-    except OSError as e:
-        raise UsageError(f"config file {path} cannot be read ({e.strerror}).") from None
+    text = read_text(path, YAML_FILE)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

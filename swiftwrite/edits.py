@@ -17,27 +17,26 @@ from . import outline as outlines
 from . import rounds
 from .config import Config
 from .devices import pick_device
-from .errors import UsageError, UserError, read_user_file
+from .errors import UsageError, UserError
 from .loading import open_model
 from .prompt import TextStream
 from .rundir import RunDir
 from .session import RunStats, open_out, open_session, unpack_state
 from .store import resolve
 from .ui import Display
+from .userfiles import Kind, read_text
+
+
+EDITED = Kind("--edited", "give the document file you edited",
+              unreadable="{name} {path} cannot be read ({reason}); check its permissions.",
+              binary="{name} {path} is not text (it contains NUL bytes); give the edited document as UTF-8 text.",
+              not_utf8="{name} {path} is not UTF-8 text (byte {byte}); save it as UTF-8 and try again.",
+              empty="{name} {path} is empty; to start over, start a new run instead.")
 
 
 def read_edited(path: Path) -> str:
     """The edited document's text, or one sentence: missing, not text, empty. Reads nothing else."""
-    data = read_user_file(path, "--edited", "give the document file you edited", unreadable="; check its permissions")
-    if b"\0" in data:
-        raise UserError(f"--edited {path} is not text (it contains NUL bytes); give the edited document as UTF-8 text.")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"--edited {path} is not UTF-8 text (byte {e.start}); save it as UTF-8 and try again.") from None
-    if not text.strip():
-        raise UserError(f"--edited {path} is empty; to start over, start a new run instead.")
-    return text
+    return read_text(path, EDITED)
 
 
 def check_continues(rd: RunDir, path: Path, text: str) -> None:

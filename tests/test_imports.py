@@ -14,8 +14,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "swiftwrite"
 
 # Bottom to top. A module may import from its own layer and the layers before it.
 LAYERS = [
-    # foundations: the errors a user sees, where files live ($SWIFTWRITE_HOME), the lazy transformers gateway
-    ["errors", "paths", "hf"],
+    # foundations: the errors a user sees, where files live ($SWIFTWRITE_HOME), the lazy transformers gateway, the
+    # reader of the user's files
+    ["errors", "paths", "hf", "userfiles"],
     # configuration: the table of the run's options (options), the run's configuration (config), the model's shape
     ["options", "config", "modelconfig"],
     # ops: arithmetic, KV caches, attention kernels, quantized kernels, weights on disk, exactness, the forward interface
