@@ -48,6 +48,9 @@ def _fields_from_options(cls):
     clash = sorted(set(own) & set(BY_NAME))
     if clash:
         raise TypeError(f"{cls.__name__} declares {clash}, which options.OPTIONS already declares")
+    unset = [o.name for o in OPTIONS if o.default is None]
+    if unset:  # a setting of a run always has a value: YAML, the environment and the resume read it back
+        raise TypeError(f"options.OPTIONS gives no default to {unset}")
     cls.__annotations__ = {**{o.name: o.type for o in OPTIONS}, **own}
     for o in OPTIONS:
         setattr(cls, o.name, o.default)
@@ -161,7 +164,11 @@ KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "
 def coerce(name: str, value, source: str):
     """Turn a YAML/env/flag value into the field's type, or fail with one sentence naming the source
     (`source` is how the user spelled it: "--top-p", "SWIFTWRITE_TOP_P", "run.yaml: top_p")."""
-    kind = type(getattr(Config(), name))
+    return typed(type(getattr(Config(), name)), value, source)
+
+
+def typed(kind: type, value, source: str):
+    """`value` as a `kind` (bool, int, float, str or tuple of strings), or one sentence naming `source`."""
     if kind is bool:
         if isinstance(value, bool):
             return value
