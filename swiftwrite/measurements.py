@@ -2,10 +2,10 @@
 key -> value in $SWIFTWRITE_HOME (the key names the model, the threads, the CPU: whatever the value depends on).
 
 A cache, never a record: a file that is missing, damaged or of another shape reads as empty, an entry that does
-not pass its check as absent, so the worst a bad file costs is a measurement again, which then rewrites it. A write
-replaces the whole file atomically (durable.atomic_write): a reader, or a writer killed half-way, leaves the old
-file whole. Two processes measuring at once may each rewrite the file; the last keeps its entry and the other's
-is measured again by a later run, which costs time only.
+not pass its check as absent, so the worst a bad file costs is a measurement again, which then rewrites it. A
+write replaces the whole file atomically (durable.atomic_write): a reader sees the old file or the new one, and a
+writer killed half-way leaves the old one whole. Two processes measuring at once may each rewrite the file; the
+last keeps its entry and the other's is measured again by a later run, which costs time only.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Option:
-    name: str  # the Config field (a run's) or parameter (a command's); the flag is --name with dashes
+    name: str  # a run's Config field (variable SWIFTWRITE_NAME) or a command's parameter; the flag: --name-with-dashes
     type: type  # bool, int, float, str, tuple (of strings, repeatable) or Path: what a value is turned into
     default: object  # None (a command's option only): not given, the command decides; its help says how
     metavar: str  # the value's placeholder in --help; "" for a flag
