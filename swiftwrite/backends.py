@@ -14,19 +14,16 @@ keep `auto` on torch and make `--backend ggml` a sentence saying what to do.
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import time
 from pathlib import Path
 
 import torch
 
-from . import ggmlmodel
+from . import ggmlmodel, measurements
 from .errors import UserError
-from .paths import GGUF_FILE, fingerprint, home
+from .paths import GGUF_FILE, fingerprint
 
-BACKENDS = ("auto", "torch", "ggml")
 TIMED_STEPS = 24  # plain steps timed per candidate (after 8 of warm-up), once per model and machine
 ROWS = "/rows-v3"  # the key of check_rows' result (v3: prefill batches and steps_apart kept apart)
 FLASH_ATTN = 1  # llama.cpp's flash attention: the attention whose batches keep a single step's bits (check_rows)
@@ -133,17 +130,15 @@ def load_ggml(model_dir: Path, mcfg, threads: int) -> "ggmlmodel.GgmlModel":
     """The GGUF in llama.cpp, with the rows a decode may carry exactly (check_rows) measured once per machine."""
     model = ggmlmodel.GgmlModel(gguf_path(model_dir), mcfg, threads=threads, flash_attn=FLASH_ATTN)
     key = _key(model_dir, threads) + ROWS
-    store = _read()
-    kept = store.get(key)
-    if isinstance(kept, dict) and {"max_rows", "batch_rows", "steps_apart"} <= set(kept):
-        model.max_rows, model.batch_rows, model.rows_note = int(kept["max_rows"]), int(kept["batch_rows"]), kept.get("note")
-        if kept["steps_apart"]:
+    rows = measurements.kept(_path(), key, _rows)
+    if rows is not None:
+        model.max_rows, model.batch_rows, model.rows_note = int(rows["max_rows"]), int(rows["batch_rows"]), rows.get("note")
+        if rows["steps_apart"]:
             model.part_steps()
     else:
         model.rows_note = model.check_rows()
-        store[key] = {"max_rows": model.max_rows, "batch_rows": model.batch_rows, "steps_apart": model.steps_apart,
-                      "note": model.rows_note}
-        _write(store)
+        measurements.keep(_path(), key, {"max_rows": model.max_rows, "batch_rows": model.batch_rows,
+                                         "steps_apart": model.steps_apart, "note": model.rows_note})
     return model
 
 
@@ -155,31 +150,43 @@ def measured(model_dir: Path, threads: int, load_torch, load_ggml_model, say=lam
     without drafts, exactly (Engine._rebuild). One whose batches never keep a single step's bits does not: its
     prefill and resume would run a token at a time."""
     key = _key(model_dir, threads)
-    store = _read()
-    times = store.get(key)
-    rows = store.get(key + ROWS)
-    if isinstance(rows, dict) and rows.get("batch_rows") == 1:
+    rows = measurements.kept(_path(), key + ROWS, _rows)
+    if rows is not None and rows["batch_rows"] == 1:
         return _no_batches(rows.get("note"), load_torch, say)
-    if isinstance(times, dict) and {"torch", "ggml"} <= set(times):
-        name = "ggml" if times["ggml"] <= times["torch"] else "torch"
-        model = load_ggml_model() if name == "ggml" else load_torch()
-    else:
+    loaded, no_batches = {}, []
+
+    def time_both() -> dict | None:
         ggml = load_ggml_model()
         if ggml.rows_note and ggml.batch_rows == 1:
-            note = ggml.rows_note
-            del ggml
-            return _no_batches(note, load_torch, say)
-        torch_model = load_torch()
-        times = {"ggml": step_ms(ggml), "torch": step_ms(torch_model)}
-        store[key] = times
-        _write(store)
-        name = "ggml" if times["ggml"] <= times["torch"] else "torch"
-        model = ggml if name == "ggml" else torch_model
+            no_batches.append(ggml.rows_note)  # and the model is dropped before torch's is loaded
+            return None
+        loaded["ggml"], loaded["torch"] = ggml, load_torch()
+        return {"ggml": step_ms(ggml), "torch": step_ms(loaded["torch"])}
+
+    times = measurements.cached(_path(), key, time_both, _times)
+    if times is None:
+        return _no_batches(no_batches[0], load_torch, say)
+    name = "ggml" if times["ggml"] <= times["torch"] else "torch"
+    if name not in loaded:  # the times were kept: only the faster one is loaded
+        loaded[name] = load_ggml_model() if name == "ggml" else load_torch()
+    model = loaded.pop(name)
+    loaded.clear()  # the slower one, when both were timed
     other = "torch" if name == "ggml" else "ggml"
     say(f"backend: {name} ({'llama.cpp' if name == 'ggml' else 'PyTorch'}): a step takes {times[name]:.1f} ms against "
         f"{times[other]:.1f} ms on {other} on this machine ({'/'.join(cpu_extensions())}, {threads} threads; measured "
         f"once, kept in {_path()}; --backend {other} to insist)")
     return name, model
+
+
+def _rows(entry: dict) -> dict | None:
+    """A kept check_rows result, if it has every field."""
+    return entry if isinstance(entry, dict) and {"max_rows", "batch_rows", "steps_apart"} <= set(entry) else None
+
+
+def _times(entry: dict) -> dict | None:
+    """Kept step times, if both backends have a number."""
+    ok = isinstance(entry, dict) and all(isinstance(entry.get(k), (int, float)) for k in ("torch", "ggml"))
+    return entry if ok else None
 
 
 def _no_batches(note: str, load_torch, say) -> tuple[str, object]:
@@ -223,22 +230,4 @@ def _key(model_dir: Path, threads: int) -> str:
 
 
 def _path() -> Path:
-    return home() / "backends.json"
-
-
-def _read() -> dict:
-    try:
-        data = json.loads(_path().read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write(data: dict) -> None:
-    try:
-        _path().parent.mkdir(parents=True, exist_ok=True)
-        tmp = _path().with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(_path())
-    except OSError:
-        pass  # a store we cannot write only costs a measurement next time
+    return measurements.file("backends.json")

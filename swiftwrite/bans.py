@@ -31,7 +31,8 @@ import bisect
 
 import numpy as np
 
-from .errors import UserError, read_user_file
+from .errors import UserError
+from .userfiles import NOT_UTF8, Kind, read_text
 
 MAX_RETRIES = 8  # exclusions at one position before a match that starts there is let through
 
@@ -39,6 +40,10 @@ MAX_RETRIES = 8  # exclusions at one position before a match that starts there i
 class PhraseError(UserError):
     """A phrase that can never be written (empty, only white space, longer than the context), or a ban file that
     cannot be read; the message is one sentence."""
+
+
+# a NUL byte gets the sentence of bytes that are no UTF-8: either way the file holds no phrases of text
+BAN_FILE = Kind("--ban-file", "give a text file with one phrase per line", PhraseError, binary=NOT_UTF8)
 
 
 def variants(phrase: str) -> list[bytes]:
@@ -61,14 +66,7 @@ def check_phrases(phrases, where: str = "--ban") -> tuple[str, ...]:
 
 def read_ban_file(path: str) -> list[str]:
     """One phrase per line, blank lines skipped. PhraseError (one sentence) for a missing, unreadable or binary file."""
-    data = read_user_file(path, "--ban-file", "give a text file with one phrase per line", PhraseError)
-    try:
-        if b"\0" in data:
-            raise UnicodeDecodeError("utf-8", data, 0, 1, "NUL byte")
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise PhraseError(f"--ban-file {path} is not UTF-8 text; give a text file with one phrase per line.") from None
-    return [line for line in text.splitlines() if line.strip()]
+    return [line for line in read_text(path, BAN_FILE).splitlines() if line.strip()]
 
 
 class Automaton:

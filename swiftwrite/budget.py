@@ -9,14 +9,13 @@ again at every step from that step's own estimates. On a GPU c is nearly flat an
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from . import measurements
 from .forward import Cache, Forward
 from .ops import row_plan, row_times
 
@@ -117,54 +116,34 @@ def _measure_once(model: Forward, cache: Cache, reps: int, sizes) -> CostCurve:
             best = min(best, time.perf_counter() - t)
         out.append(best)
     curve = CostCurve(sizes, out)
-    curve.clean = bool(np.all(curve.seconds >= 0.8 * np.maximum.accumulate(curve.seconds)))
+    curve.clean = consistent(curve)
     return curve
 
 
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _keep(path: Path, key: str, value) -> None:
-    data = _read(path)
-    data[key] = value
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two processes may write at once
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass  # a cache we cannot write only costs a re-measurement next time
+def consistent(curve: CostCurve) -> bool:
+    """A bigger forward never costs less, beyond noise: a curve that falls was timed while something else ran."""
+    return bool(np.all(curve.seconds >= 0.8 * np.maximum.accumulate(curve.seconds)))
 
 
 def cached_curve(path: Path, key: str, make) -> CostCurve:
-    """The curve stored under `key` in the JSON file `path`, or a fresh measurement stored there."""
-    data = _read(path)
-    if key in data:
-        try:
-            curve = CostCurve.from_dict(data[key])
-            if len(curve.sizes) and np.all(curve.seconds >= 0.8 * np.maximum.accumulate(curve.seconds)):
-                return curve
-        except (KeyError, TypeError, ValueError):
-            pass
-    curve = make()
-    if curve.clean:
-        _keep(path, key, curve.to_dict())
-    return curve
+    """The curve stored under `key` in the JSON file `path`, or a fresh measurement stored there (only a clean one:
+    measure() marks a busy machine's curve, kept for this run only)."""
+
+    def load(entry) -> CostCurve | None:
+        curve = CostCurve.from_dict(entry)
+        return curve if len(curve.sizes) and consistent(curve) else None
+
+    return measurements.cached(path, key, make, load, dump=lambda curve: curve.to_dict() if curve.clean else None)
 
 
 def cached_plan(path: Path, key: str, make) -> list[int]:
     """The row plan (ops.row_plan) stored under `key` in the JSON file `path`, or a fresh one stored there."""
-    kept = _read(path).get(key)
-    if isinstance(kept, list) and kept and all(isinstance(m, int) and m >= n for n, m in enumerate(kept)):
-        return kept
-    plan = make()
-    _keep(path, key, plan)
-    return plan
+
+    def load(plan) -> list[int] | None:
+        return plan if isinstance(plan, list) and plan and all(isinstance(m, int) and m >= n
+                                                               for n, m in enumerate(plan)) else None
+
+    return measurements.cached(path, key, make, load)
 
 
 def tree_row_plan(model, path: Path, key: str) -> list[int]:

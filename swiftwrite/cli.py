@@ -1,8 +1,9 @@
-"""Command line: `swiftwrite generate`, `resume`, `models list|pull`.
+"""Command line: `swiftwrite generate`, `resume`, `bench`, `train-heads`, `models list|pull`.
 
-Option values arrive as strings and are typed by `config.coerce`, the same code that reads YAML and the
-environment, so a bad value gets the same one-sentence error from every source. Errors a user can cause are
-printed as one line on stderr with exit status 1 (2 for usage); never a traceback.
+Every option of a command is a row of a table in options.py (`with_options` makes them its parameters). Values
+arrive as strings and are typed by `config.typed`, the same code that reads YAML and the environment, so a bad
+value gets the same one-sentence error from every source. Errors a user can cause are printed as one line on
+stderr with exit status 1 (2 for usage); never a traceback.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from rich.console import Console
 from rich.table import Table
 
 from . import config as config_mod
+from . import options
 from .errors import RankLost, UsageError, UserError
-from .options import OPTIONS
+from .options import OPTIONS, Option
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Write long documents with a local language model, faster, token for token unchanged.")
@@ -41,49 +43,59 @@ def heavy() -> SimpleNamespace:
     return SimpleNamespace(bench=bench, ranks=ranks, store=store, train_heads=train_heads, ui=ui, writer=writer)
 
 
-def with_options(after: dict[str, tuple[str, ...]]):
-    """Give a command the table's options (options.OPTIONS) besides its own parameters. Typer reads parameters from
-    a signature: the decorated function takes the table's as keyword arguments (**flags, None where not given) and
-    this builds the signature Typer sees. A bool row is a flag (--raw), a tuple row repeatable; any other is taken as a string, typed later
-    by config.resolve, so a bad value gets the same sentence as from YAML or the environment. In --help the table's
-    options follow the function's first parameter, each of its own named in `after` follows that row, and the rest
-    of its own come last."""
+def with_options(*tables: tuple[Option, ...], after: dict[str, tuple[str, ...]] | None = None):
+    """Give a command the options of `tables` (options.py) besides its own parameters, its arguments. Typer reads
+    parameters from a signature: the decorated function takes the rows as keyword arguments (**flags, None where
+    not given) and this builds the signature Typer sees. A bool row is a flag (--raw), a tuple row repeatable, a
+    Path row a path; any other is taken as a string, typed later (config.resolve for a run's options, `given` for a
+    command's own), so a bad value gets the same sentence as from YAML or the environment. In --help the
+    arguments come first, then the rows in their tables' order, but each row named in `after` right after the
+    row that names it."""
+    after = after or {}
 
-    def row(o) -> inspect.Parameter:
+    def row(o: Option) -> inspect.Parameter:
         if o.type is bool:
             info, kind = Opt(None, config_mod.flag(o.name), help=o.help), Optional[bool]
         elif o.type is tuple:  # repeatable: --ban A --ban B
             info, kind = Opt(None, metavar=o.metavar, help=o.help), Optional[list[str]]
         else:
-            info, kind = Opt(None, metavar=o.metavar, help=o.help), Optional[str]
+            info, kind = Opt(None, metavar=o.metavar, help=o.help), Optional[Path if o.type is Path else str]
         return inspect.Parameter(o.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=info, annotation=kind)
 
+    rows = {o.name: o for table in tables for o in table}
+    placed = {name for names in after.values() for name in names}
+    if len(rows) < sum(map(len, tables)) or not set(after) | placed <= set(rows):  # a parameter would vanish
+        raise TypeError(f"with_options: a row is named twice, or `after` names one that no table has: {after}")
+
     def decorate(func):
-        own = {p.name: p for p in inspect.signature(func).parameters.values() if p.kind is not p.VAR_KEYWORD}
-        unknown = set(after) - {o.name for o in OPTIONS}
-        if unknown:  # their parameters would vanish from the command
-            raise TypeError(f"with_options: no option {sorted(unknown)} in options.OPTIONS to place parameters after")
-        first, placed = next(iter(own)), {name for names in after.values() for name in names}
-        params = [own[first]]
-        for o in OPTIONS:
-            params += [row(o), *(own[name] for name in after.get(o.name, ()))]
-        params += [p for name, p in own.items() if name != first and name not in placed]
+        params = [p for p in inspect.signature(func).parameters.values() if p.kind is not p.VAR_KEYWORD]
+        for o in rows.values():
+            if o.name not in placed:
+                params += [row(o), *(row(rows[name]) for name in after.get(o.name, ()))]
         func.__signature__ = inspect.Signature(params)
         return func
 
     return decorate
 
 
+def given(table: tuple[Option, ...], flags: dict) -> SimpleNamespace:
+    """A command's own options as it uses them: the table's default where one was not given, a number typed by
+    config.typed (a bad one gets the sentence a run's option gets, naming its flag)."""
+    out = {}
+    for o in table:
+        value = flags[o.name]
+        if value is None:
+            value = o.default
+        elif o.type in (int, float):
+            value = config_mod.typed(o.type, value, config_mod.flag(o.name))
+        out[o.name] = value
+    return SimpleNamespace(**out)
+
+
 @app.command()
-@with_options(after={"tokens": ("out", "run_dir"), "raw": ("config",)})
+@with_options(OPTIONS, options.GENERATE, after={"tokens": ("out", "run_dir"), "raw": ("config",)})
 def generate(
     prompt: str = typer.Argument(..., metavar="PROMPT", help="Prompt file, or - to read standard input."),
-    out: Optional[Path] = Opt(None, metavar="FILE", help="Write the text to this file instead of standard output."),
-    run_dir: Optional[Path] = Opt(None, metavar="DIR", help="Run directory (default runs/<slug>-<time>)."),
-    config: Optional[Path] = Opt(None, metavar="FILE", help="YAML file with options."),
-    quiet: bool = Opt(False, "--quiet", help="Print nothing but the text."),
-    no_live: bool = Opt(False, "--no-live", help="Plain progress lines instead of the live panel."),
-    stats_json: Optional[Path] = Opt(None, metavar="FILE", help="Write the final statistics as JSON."),
     **flags: Optional[str],
 ):
     """Write a document from a prompt, checkpointing into a run directory.
@@ -92,10 +104,12 @@ def generate(
     after 3 or 130 / 143, `swiftwrite resume RUN_DIR` continues.
     """
     m = heavy()
-    cfg = config_mod.resolve(config, flags)
+    own = given(options.GENERATE, flags)
+    run = {o.name: flags[o.name] for o in OPTIONS}
+    cfg = config_mod.resolve(own.config, run)
     here = m.ranks.current
     if here is not None:  # one rank of a group (torchrun, or a --tp launch): the group's size is the degree
-        if flags["tp"] is not None and cfg.tp != here.world:
+        if run["tp"] is not None and cfg.tp != here.world:
             raise UsageError(f"--tp {cfg.tp} was given, but this command runs as {here.world} ranks; give the same "
                              "number to both, or leave --tp out under torchrun.")
         cfg = dataclasses.replace(cfg, tp=here.world)
@@ -105,85 +119,60 @@ def generate(
                              "parallelism.")
         m.ranks.check_world(cfg.tp, cfg.device)
         raise typer.Exit(m.ranks.launch(cfg.tp, sys.argv[1:]))
-    raise typer.Exit(m.writer.generate(cfg, prompt, run_dir, out, quiet, no_live, stats_json))
+    raise typer.Exit(m.writer.generate(cfg, prompt, own.run_dir, own.out, own.quiet, own.no_live, own.stats_json))
 
 
 @app.command()
-def resume(
-    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="The run directory to continue."),
-    tokens: Optional[str] = Opt(None, metavar="N", help="New total target of tokens (extends the run)."),
-    out: Optional[Path] = Opt(None, metavar="FILE", help="Write the whole text (old and new) to this file."),
-    force: bool = Opt(False, "--force", help="Resume even if the model or the number of ranks (--tp) changed."),
-    tp: Optional[str] = Opt(None, metavar="N", help="Tensor-parallel ranks (default: the run's own; another number needs --force)."),
-    quiet: bool = Opt(False, "--quiet"), no_live: bool = Opt(False, "--no-live"),
-    stats_json: Optional[Path] = Opt(None, metavar="FILE", help="Write the final statistics as JSON."),
-    edited: Optional[Path] = Opt(None, metavar="FILE", help="Continue from this edited document in a new round; --tokens N then adds N tokens, appended to FILE (or --out)."),
-):
+@with_options(options.RESUME)
+def resume(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="The run directory to continue."), **flags):
     """Continue an interrupted run exactly where its last checkpoint left it."""
     m = heavy()
-    coerce = config_mod.coerce
-    n = coerce("tokens", tokens, "--tokens") if tokens is not None else None
-    if n is not None:
-        config_mod.Config(tokens=n).validate({"tokens": "--tokens"})
-    asked = coerce("tp", tp, "--tp") if tp is not None else None
-    if asked is not None:
-        config_mod.Config(tp=asked).validate({"tp": "--tp"})
+    o = given(options.RESUME, flags)
+    if o.tokens is not None:
+        config_mod.Config(tokens=o.tokens).validate({"tokens": "--tokens"})
+    if o.tp is not None:
+        config_mod.Config(tp=o.tp).validate({"tp": "--tp"})
     here = m.ranks.current
-    if here is not None and asked is not None and asked != here.world:
-        raise UsageError(f"--tp {asked} was given, but this command runs as {here.world} ranks; give the same number "
+    if here is not None and o.tp is not None and o.tp != here.world:
+        raise UsageError(f"--tp {o.tp} was given, but this command runs as {here.world} ranks; give the same number "
                          "to both, or leave --tp out under torchrun.")
     recorded, device = m.ranks.recorded(run_dir)
-    world = here.world if here is not None else asked or recorded
-    if world != recorded and not force:
+    world = here.world if here is not None else o.tp or recorded
+    if world != recorded and not o.force:
         raise UserError(f"{run_dir} was written by {recorded} tensor-parallel rank{'s' if recorded > 1 else ''}; on "
                         f"{world} every sum adds its parts in another order, so the text would continue differently. "
                         f"Resume with --tp {recorded}, or add --force to continue it on {world} anyway.")
     if here is None and world > 1:
         m.ranks.check_world(world, device)
         raise typer.Exit(m.ranks.launch(world, sys.argv[1:]))
-    raise typer.Exit(m.writer.resume(run_dir, n, out, force, quiet, no_live, stats_json, world, edited))
+    raise typer.Exit(m.writer.resume(run_dir, o.tokens, o.out, o.force, o.quiet, o.no_live, o.stats_json, world,
+                                     o.edited))
 
 
 @app.command()
-def bench(
-    methods: Optional[str] = Opt(None, help="Comma-separated: llama.cpp, llama.cpp-lookup, hf, hf-lookup, none, recycling, recycling-static, ngram, heads, heads-2pass, all, all-2pass, all-b2..b16."),
-    settings: str = Opt("greedy,sample", help="Comma-separated: greedy, sample (penalty on), greedy-nopenalty."),
-    prompts: str = Opt("creative", help="Comma-separated workloads (creative, grounded, revision, structured: a brief, a template and a source document from prompts/) or prompt files."),
-    tokens: Optional[str] = Opt(None, help="New tokens per run (default 2000; 300 with --quick)."),
-    repeats: Optional[str] = Opt(None, help="Repeats per method (median reported; default 1)."),
-    quick: bool = Opt(False, "--quick", help="hf, none and all, greedy only, 300 tokens: about two minutes."),
-    out: Optional[Path] = Opt(None, help="Directory for bench.json and bench.md."),
-):
+@with_options(options.BENCH)
+def bench(**flags):
     """Measure every decoding method side by side on this machine (interleaved, same prompts and settings)."""
-    b, coerce = heavy().bench, config_mod.coerce
-    n = coerce("tokens", tokens, "command line") if tokens is not None else (300 if quick else 2000)
-    reps = coerce("chunk", repeats, "command line") if repeats is not None else 1
-    names = methods.split(",") if methods else (b.QUICK if quick else b.DEFAULT)
-    setting_names = ["greedy"] if quick and settings == "greedy,sample" else settings.split(",")
-    report = b.run(names, setting_names, prompts.split(","), n, reps, out, log=lambda m: print(m, file=sys.stderr, flush=True))
+    b = heavy().bench
+    o = given(options.BENCH, flags)
+    n = o.tokens if o.tokens is not None else (300 if o.quick else 2000)
+    names = o.methods.split(",") if o.methods else (b.QUICK if o.quick else b.DEFAULT)
+    both = options.defaults(options.BENCH)["settings"]  # greedy and sample, unless --quick asks for greedy only
+    setting_names = ["greedy"] if o.quick and o.settings == both else o.settings.split(",")
+    report = b.run(names, setting_names, o.prompts.split(","), n, o.repeats, o.out,
+                   log=lambda m: print(m, file=sys.stderr, flush=True))
     print(b.markdown(report))
 
 
 @app.command("train-heads")
-def train_heads(
-    model: str = Opt("smollm2-135m", help="The model to train heads for (any --model form)."),
-    data: Optional[Path] = Opt(None, help="Plain text file or directory of text files."),
-    self_distill: bool = Opt(False, "--self-distill", help="Let the model write its own training text first."),
-    steps: Optional[str] = Opt(None, help="Optimizer steps (default 400)."),
-    batch: Optional[str] = Opt(None, help="Positions per step (default 512)."),
-    lr: Optional[str] = Opt(None, help="Peak learning rate (default 0.02)."),
-    seq_len: Optional[str] = Opt(None, help="Longest sequence run through the model (default 2048)."),
-    out: Optional[Path] = Opt(None, help="Heads file (default $SWIFTWRITE_HOME/heads/<model>.safetensors)."),
-):
+@with_options(options.TRAIN_HEADS)
+def train_heads(**flags):
     """Train TokenSwift multi-token heads on the frozen model (backbone states computed once, no autograd)."""
-    m, coerce = heavy(), config_mod.coerce
-    kw = {}
-    for name, value, kind in (("steps", steps, "chunk"), ("batch", batch, "chunk"), ("lr", lr, "temperature"),
-                              ("seq_len", seq_len, "chunk")):
-        if value is not None:
-            kw[name] = coerce(kind, value, "command line")
-    ref = m.store.resolve(model, log=_say)
-    m.train_heads.train(ref.path, data=data, self_distill=self_distill, out=out, log=_say, progress=True, **kw)
+    m = heavy()
+    o = given(options.TRAIN_HEADS, flags)
+    ref = m.store.resolve(o.model, log=_say)
+    m.train_heads.train(ref.path, data=o.data, self_distill=o.self_distill, out=o.out, log=_say, progress=True,
+                        steps=o.steps, batch=o.batch, lr=o.lr, seq_len=o.seq_len)
 
 
 @models_app.command("list")

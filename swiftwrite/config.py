@@ -18,6 +18,7 @@ import yaml
 
 from .errors import UsageError
 from .options import ATTENTIONS, BY_NAME, OPTIONS
+from .userfiles import Kind, read_text
 
 DRAFT_CHOICES = ("none", "recycling", "ngram", "heads", "all")
 HEAD_MODES = ("fused", "two-pass")
@@ -44,6 +45,9 @@ def _fields_from_options(cls):
     clash = sorted(set(own) & set(BY_NAME))
     if clash:
         raise TypeError(f"{cls.__name__} declares {clash}, which options.OPTIONS already declares")
+    unset = [o.name for o in OPTIONS if o.default is None]
+    if unset:  # a setting of a run always has a value: YAML, the environment and the resume read it back
+        raise TypeError(f"options.OPTIONS gives no default to {unset}")
     cls.__annotations__ = {**{o.name: o.type for o in OPTIONS}, **own}
     for o in OPTIONS:
         setattr(cls, o.name, o.default)
@@ -157,7 +161,11 @@ KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "
 def coerce(name: str, value, source: str):
     """Turn a YAML/env/flag value into the field's type, or fail with one sentence naming the source
     (`source` is how the user spelled it: "--top-p", "SWIFTWRITE_TOP_P", "run.yaml: top_p")."""
-    kind = type(getattr(Config(), name))
+    return typed(type(getattr(Config(), name)), value, source)
+
+
+def typed(kind: type, value, source: str):
+    """`value` as a `kind` (bool, int, float, str or tuple of strings), or one sentence naming `source`."""
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -207,17 +215,11 @@ def _apply(cfg: Config, values: dict, label, where: dict[str, str]) -> None:
         setattr(cfg, name, coerce(name, value, where[name]))
 
 
+YAML_FILE = Kind("config file", "give a YAML file", UsageError, missing="{name} {path} does not exist.")
+
+
 def load_yaml(path: Path) -> dict:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"config file {path} does not exist.") from None
-    except IsADirectoryError:
-        raise UsageError(f"config file {path} is a directory; give a YAML file.") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"config file {path} is not UTF-8 text; give a YAML file.") from None
-    except OSError as e:
-        raise UsageError(f"config file {path} cannot be read ({e.strerror}).") from None
+    text = read_text(path, YAML_FILE)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

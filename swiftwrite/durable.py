@@ -33,11 +33,12 @@ def lock(p: Path, name: str) -> int:
     return fd
 
 
-def atomic_write(path: Path, data: bytes, pause: float = 0.0) -> None:
+def atomic_write(path: Path, data: bytes, pause: float = 0.0, shared: bool = False) -> None:
     """Readers see the old file or the new one, never a torn one, even after a power cut: the data is on disk
     before the rename, and the rename is on disk before we return. Fixed temp name: the lock makes us the only
-    writer, and open() sweeps leftovers."""
-    tmp = path.with_name(path.name + ".tmp")
+    writer, and open() sweeps leftovers. `shared`: no lock is held and other processes may write the same file
+    at once (a cache of measurements), so the temp file is this process's own."""
+    tmp = path.with_name(path.name + (f".{os.getpid()}.tmp" if shared else ".tmp"))
     try:
         with open(tmp, "wb") as fh:
             fh.write(data)

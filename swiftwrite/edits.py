@@ -18,12 +18,21 @@ from typing import TYPE_CHECKING
 from . import outline as outlines
 from . import rounds
 from .assembly import check_device, open_model, open_session
-from .errors import UsageError, UserError, read_user_file
+from .errors import UsageError, UserError
 from .prompt import TextStream
 from .rundir import RunDir
-from .session import RunStats, open_out, unpack_state
+from .runstats import RunStats
+from .session import open_out, unpack_state
 from .store import resolve
 from .ui import Display
+from .userfiles import Kind, read_text
+
+
+EDITED = Kind("--edited", "give the document file you edited",
+              unreadable="{name} {path} cannot be read ({reason}); check its permissions.",
+              binary="{name} {path} is not text (it contains NUL bytes); give the edited document as UTF-8 text.",
+              not_utf8="{name} {path} is not UTF-8 text (byte {byte}); save it as UTF-8 and try again.",
+              empty="{name} {path} is empty; to start over, start a new run instead.")
 
 if TYPE_CHECKING:  # named in annotations only: the writer validated it, and this module passes it on
     from .config import Config
@@ -31,16 +40,7 @@ if TYPE_CHECKING:  # named in annotations only: the writer validated it, and thi
 
 def read_edited(path: Path) -> str:
     """The edited document's text, or one sentence: missing, not text, empty. Reads nothing else."""
-    data = read_user_file(path, "--edited", "give the document file you edited", unreadable="; check its permissions")
-    if b"\0" in data:
-        raise UserError(f"--edited {path} is not text (it contains NUL bytes); give the edited document as UTF-8 text.")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"--edited {path} is not UTF-8 text (byte {e.start}); save it as UTF-8 and try again.") from None
-    if not text.strip():
-        raise UserError(f"--edited {path} is empty; to start over, start a new run instead.")
-    return text
+    return read_text(path, EDITED)
 
 
 def check_continues(rd: RunDir, path: Path, text: str) -> None:

@@ -13,20 +13,6 @@ class UsageError(UserError):
     exit_code = 2
 
 
-def read_user_file(path, flag: str, give: str, error: type[UserError] = UserError, unreadable: str = "") -> bytes:
-    """The bytes of a file the user named with `flag`, or one sentence: it does not exist, is a directory (both
-    ending with `give`, what to give instead), or cannot be read (then `unreadable`, a hint, if any)."""
-    try:
-        with open(path, "rb") as fh:
-            return fh.read()
-    except FileNotFoundError:
-        raise error(f"{flag} {path} does not exist; {give}.") from None
-    except IsADirectoryError:
-        raise error(f"{flag} {path} is a directory; {give}.") from None
-    except OSError as e:
-        raise error(f"{flag} {path} cannot be read ({e.strerror}){unreadable}.") from None
-
-
 def first_line(e: BaseException, limit: int = 160) -> str:
     """The first line of an exception from a library (transformers, safetensors), short enough to sit inside
     one of our sentences; its type name when it has no message."""

@@ -1,16 +1,20 @@
-"""Every option of a run, declared once: its name, type, default, metavar and the line `swiftwrite generate --help`
-shows. config.Config takes its fields from this table (same order, types and defaults) and cli.generate its options;
-tests/test_options.py checks that the README's options table names each one.
+"""Every option, declared once: its name, type, default, metavar and the line `--help` shows.
 
-A bool is a flag (`--raw`); a tuple is a repeatable option (`--ban A --ban B`) whose values are strings; every
-other option is read as a string and typed by config.coerce, the code that reads
-YAML and the environment too, so a bad value gets the same one-sentence error from every source. The comments say
-why each default is what it is; config.Config.validate holds the ranges.
+OPTIONS are a run's settings: config.Config takes its fields from that table (same order, types and defaults) and
+cli.generate its options; tests/test_options.py checks that the README's options table names each one. The tables
+after it are each command's own options (where the text goes, how progress shows, what `bench` and `train-heads`
+do), which are no settings of a run: not in Config, YAML or the environment.
+
+A bool is a flag (`--raw`); a tuple is a repeatable option (`--ban A --ban B`) whose values are strings; a Path a
+file or directory; every other option is read as a string and typed by config.typed, the code that reads YAML
+and the environment too, so a bad value gets the same one-sentence error from every source. The comments say
+why each default is what it is; config.Config.validate holds the ranges of a run's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 
 # auto: on CUDA the Triton tree kernel for trees and flash-attn for prefill/decoding where installed, torch
@@ -21,14 +25,14 @@ ATTENTIONS = ("auto", "torch", "triton", "flash")
 
 @dataclass(frozen=True)
 class Option:
-    name: str  # the Config field; the flag is --name with dashes, the variable SWIFTWRITE_NAME
-    type: type  # bool, int, float, str or tuple (of strings, repeatable): what config.coerce turns a value into
-    default: object
+    name: str  # a run's Config field (variable SWIFTWRITE_NAME) or a command's parameter; the flag: --name-with-dashes
+    type: type  # bool, int, float, str, tuple (of strings, repeatable) or Path: what a value is turned into
+    default: object  # None (a command's option only): not given, the command decides; its help says how
     metavar: str  # the value's placeholder in --help; "" for a flag
-    help: str  # the line `swiftwrite generate --help` shows
+    help: str  # the line the command's --help shows
 
     def __post_init__(self):
-        if type(self.default) is not self.type:
+        if self.default is not None and type(self.default) is not self.type:
             raise TypeError(f"option {self.name}: default {self.default!r} is not a {self.type.__name__}")
         if (self.type is bool) != (self.metavar == ""):
             raise ValueError(f"option {self.name}: a flag (bool) has no metavar, an option with a value has one")
@@ -141,3 +145,64 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
+
+
+def defaults(table: tuple[Option, ...]) -> dict[str, object]:
+    return {o.name: o.default for o in table}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The commands' own options
+
+QUIET = Option("quiet", bool, False, "", "Print nothing but the text.")
+NO_LIVE = Option("no_live", bool, False, "", "Plain progress lines instead of the live panel.")
+STATS_JSON = Option("stats_json", Path, None, "FILE", "Write the final statistics as JSON.")
+
+GENERATE: tuple[Option, ...] = (  # besides OPTIONS
+    Option("out", Path, None, "FILE", "Write the text to this file instead of standard output."),
+    Option("run_dir", Path, None, "DIR", "Run directory (default runs/<slug>-<time>)."),
+    Option("config", Path, None, "FILE", "YAML file with options."),
+    QUIET, NO_LIVE, STATS_JSON,
+)
+
+RESUME: tuple[Option, ...] = (
+    # None: the run's own target; checked by Config.validate's range for --tokens
+    Option("tokens", int, None, "N", "New total target of tokens (extends the run)."),
+    Option("out", Path, None, "FILE", "Write the whole text (old and new) to this file."),
+    Option("force", bool, False, "", "Resume even if the model or the number of ranks (--tp) changed."),
+    # None: the ranks the run was written by (another sums in another order: another text)
+    Option("tp", int, None, "N", "Tensor-parallel ranks (default: the run's own; another number needs --force)."),
+    QUIET, NO_LIVE, STATS_JSON,
+    Option("edited", Path, None, "FILE", "Continue from this edited document in a new round; --tokens N then adds N "
+           "tokens, appended to FILE (or --out)."),
+)
+
+BENCH: tuple[Option, ...] = (
+    # None: bench.DEFAULT, or bench.QUICK with --quick
+    Option("methods", str, None, "LIST", "Comma-separated: llama.cpp, llama.cpp-lookup, hf, hf-lookup, none, "
+           "recycling, recycling-static, ngram, heads, heads-2pass, all, all-2pass, all-b2..b16."),
+    Option("settings", str, "greedy,sample", "LIST",
+           "Comma-separated: greedy, sample (penalty on), greedy-nopenalty (default greedy,sample)."),
+    Option("prompts", str, "creative", "LIST", "Comma-separated workloads (creative, grounded, revision, structured: "
+           "a brief, a template and a source document from prompts/) or prompt files (default creative)."),
+    Option("tokens", int, None, "N", "New tokens per run (default 2000; 300 with --quick)."),
+    Option("repeats", int, 1, "N", "Repeats per method (median reported; default 1)."),
+    Option("quick", bool, False, "", "hf, none and all, greedy only, 300 tokens: about two minutes."),
+    Option("out", Path, None, "DIR", "Directory for bench.json and bench.md."),
+)
+
+TRAIN_HEADS: tuple[Option, ...] = (  # train_heads.train takes its defaults from here
+    Option("model", str, "smollm2-135m", "NAME",
+           "The model to train heads for (any --model form; default smollm2-135m)."),
+    Option("data", Path, None, "PATH", "Plain text file or directory of text files."),
+    Option("self_distill", bool, False, "", "Let the model write its own training text first."),
+    # held-out accuracy stopped improving by 300 on 45K tokens (800 gave no more)
+    Option("steps", int, 400, "N", "Optimizer steps (default 400)."),
+    # positions per step, each training all γ heads
+    Option("batch", int, 512, "N", "Positions per step (default 512)."),
+    # AdamW peak, linear warm-up then cosine; the paper's 5e-3 underfits at this data size
+    Option("lr", float, 0.02, "LR", "Peak learning rate (default 0.02)."),
+    # documents are cut at this length
+    Option("seq_len", int, 2048, "N", "Longest sequence run through the model (default 2048)."),
+    Option("out", Path, None, "FILE", "Heads file (default $SWIFTWRITE_HOME/heads/<model>.safetensors)."),
+)

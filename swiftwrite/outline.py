@@ -39,6 +39,7 @@ from pathlib import Path
 
 from .engine import Step
 from .errors import UsageError
+from .userfiles import Kind, read_text
 
 MIN_SECTION = 16  # tokens: a heading of a few words and a sentence under it
 MAX_SECTIONS = 200
@@ -68,23 +69,16 @@ class Section:
 # Reading an outline
 
 
+NOT_AN_OUTLINE = "{name} {path} is not a Markdown outline (binary or over 1 MB); give a text file of headings."
+OUTLINE_FILE = Kind("--outline", "give a Markdown file with one '## ' heading per section", UsageError,
+                    unreadable="{name} {path} cannot be read ({reason}); check its permissions.",
+                    not_utf8="{name} {path} is not valid UTF-8 (byte {byte}); convert it to UTF-8.",
+                    binary=NOT_AN_OUTLINE, limit=MAX_OUTLINE_BYTES, too_large=NOT_AN_OUTLINE, encoding="utf-8-sig")
+
+
 def read_outline(path: str) -> str:
     """The outline file's text, or a one-sentence usage error (exit 2) before anything is created."""
-    p = Path(path).expanduser()
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise UsageError(f"--outline {p} does not exist; give a Markdown file with one '## ' heading per section.") from None
-    except IsADirectoryError:
-        raise UsageError(f"--outline {p} is a directory; give a Markdown file with one '## ' heading per section.") from None
-    except OSError as e:
-        raise UsageError(f"--outline {p} cannot be read ({e.strerror}); check its permissions.") from None
-    if len(data) > MAX_OUTLINE_BYTES or b"\x00" in data:
-        raise UsageError(f"--outline {p} is not a Markdown outline (binary or over 1 MB); give a text file of headings.")
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"--outline {p} is not valid UTF-8 (byte {e.start}); convert it to UTF-8.") from None
+    return read_text(Path(path).expanduser(), OUTLINE_FILE)
 
 
 def _clean(title: str) -> str:

@@ -7,19 +7,37 @@ model file is touched.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from pathlib import Path
 
 from .errors import UserError
+from .userfiles import Kind, decode, read_text
 
 MAX_PROMPT_BYTES = 1 << 20
 # Templates ship inside the package (swiftwrite/templates/) when installed, in prompts/ in a source checkout.
 TEMPLATE_DIRS = (Path(__file__).resolve().parent / "templates", Path(__file__).resolve().parent.parent / "prompts")
 
 
+PROMPT = Kind("prompt", "give a text file (or - for standard input)", missing="{name} file {path} does not exist.",
+              unreadable="{name} file {path} cannot be read ({reason}).",
+              limit=MAX_PROMPT_BYTES,
+              too_large="the {name} in {path} is over 1 MB; a prompt must fit the model's context, shorten it.",
+              binary="the {name} in {path} looks binary (it contains NUL bytes); give a UTF-8 text file.",
+              not_utf8="the {name} in {path} is not valid UTF-8 (byte {byte}); convert it to UTF-8.",
+              empty="the {name} in {path} is empty; write a brief of what the document should be.")
+SOURCE = dataclasses.replace(PROMPT, name="--source", give="give a text file",
+                             empty="the {name} in {path} is empty; give the document the text should draw on.")
+
+
 def read_prompt(source: str) -> str:
-    return read_text(source, "prompt", "write a brief of what the document should be")
+    """The brief: a UTF-8 text file of at most 1 MB, or standard input for "-"."""
+    if source == "-":
+        if sys.stdin.isatty():
+            print("swiftwrite: reading the prompt from the terminal; end it with Ctrl-D.", file=sys.stderr, flush=True)
+        return decode(sys.stdin.buffer.read(MAX_PROMPT_BYTES + 1), "standard input", PROMPT)
+    return read_text(Path(source), PROMPT)
 
 
 def read_source(path: str) -> str:
@@ -27,41 +45,7 @@ def read_source(path: str) -> str:
     if path == "-":
         raise UserError("--source reads a file, not standard input (which is for the brief); save the document "
                         "to a file and give its path.")
-    return read_text(path, "--source", "give the document the text should draw on")
-
-
-def read_text(source: str, what: str, fill: str) -> str:
-    """A UTF-8 text file (or standard input for "-") of at most 1 MB; `what` names it in messages, `fill` says
-    what an empty one should have held."""
-    if source == "-":
-        if sys.stdin.isatty():
-            print("swiftwrite: reading the prompt from the terminal; end it with Ctrl-D.", file=sys.stderr, flush=True)
-        data = sys.stdin.buffer.read(MAX_PROMPT_BYTES + 1)
-        where = "standard input"
-    else:
-        p = Path(source)
-        if not p.exists():
-            raise UserError(f"{what} file {p} does not exist.")
-        if p.is_dir():
-            raise UserError(f"{what} {p} is a directory; give a text file" + (" (or - for standard input)."
-                                                                              if what == "prompt" else "."))
-        try:
-            with open(p, "rb") as fh:
-                data = fh.read(MAX_PROMPT_BYTES + 1)
-        except OSError as e:
-            raise UserError(f"{what} file {p} cannot be read ({e.strerror}).") from None
-        where = str(p)
-    if len(data) > MAX_PROMPT_BYTES:
-        raise UserError(f"the {what} in {where} is over 1 MB; a prompt must fit the model's context, shorten it.")
-    if b"\x00" in data:
-        raise UserError(f"the {what} in {where} looks binary (it contains NUL bytes); give a UTF-8 text file.")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"the {what} in {where} is not valid UTF-8 (byte {e.start}); convert it to UTF-8.") from None
-    if not text.strip():
-        raise UserError(f"the {what} in {where} is empty; {fill}.")
-    return text
+    return read_text(Path(path), SOURCE)
 
 
 # A source document goes before the instruction (the model reads the material, then what to do with it), unless

@@ -39,11 +39,13 @@ from .heads import GAMMA, Heads, save_heads, user_dir
 from .hf import transformers
 from .model import load_lean
 from .ops import linear, rms_norm
+from .options import TRAIN_HEADS, defaults
 from .store import fingerprint, home
 
 HELD_OUT = 0.1  # every tenth sequence is kept out of training, for the accuracy report
 WARMUP = 0.1  # share of the steps spent warming the learning rate up linearly (the paper: 50 of 200 steps)
 HIDDEN_BYTES = 2 << 30  # cap on the cached hidden states: 0.9M tokens of a 576-wide model, 130K of a 4096-wide one
+ASKED = defaults(TRAIN_HEADS)  # steps, batch, lr, seq_len: `train-heads`' options, declared (and explained) there
 
 # ---------------------------------------------------------------------------------------------------------
 # Training
@@ -138,9 +140,9 @@ def base_accuracy(model, split: Split, chunk: int = 512) -> dict:
     return {"top1": round(hit1 / max(n, 1), 4), "top3": round(hit3 / max(n, 1), 4)}
 
 
-def fit(model, windows: list[np.ndarray], held: list[np.ndarray], *, gamma: int = GAMMA, steps: int = 400,
-        batch: int = 512, lr: float = 2e-2, vocab: int = 8192, distill: float = 1.0, seed: int = 0, log=print,
-        progress: bool = False) -> tuple[Heads, dict]:
+def fit(model, windows: list[np.ndarray], held: list[np.ndarray], *, gamma: int = GAMMA, steps: int = ASKED["steps"],
+        batch: int = ASKED["batch"], lr: float = ASKED["lr"], vocab: int = 8192, distill: float = 1.0, seed: int = 0,
+        log=print, progress: bool = False) -> tuple[Heads, dict]:
     """Train γ heads on `windows` (1-D arrays of token ids) and measure them on `held`. Returns the
     heads and a report: held-out accuracy and loss per head, before and after training, and timings."""
     t0 = time.time()
@@ -228,10 +230,10 @@ def train(
     model_dir: Path,
     data: Path | None = None,  # a text file or a directory of text files; None with self_distill
     self_distill: bool = False,  # let the model write its training text first (saved to distill_out)
-    steps: int = 400,  # optimizer steps: held-out accuracy stopped improving by 300 on 45K tokens (800 gave no more)
-    batch: int = 512,  # positions per step (each trains all γ heads)
-    lr: float = 2e-2,  # AdamW peak, linear warm-up then cosine; the paper's 5e-3 underfits at this data size
-    seq_len: int = 2048,  # longest sequence run through the model (documents are cut at this length)
+    steps: int = ASKED["steps"],  # optimizer steps
+    batch: int = ASKED["batch"],  # positions per step
+    lr: float = ASKED["lr"],  # AdamW peak learning rate
+    seq_len: int = ASKED["seq_len"],  # longest sequence run through the model
     out: Path | None = None,  # the heads file; None: $SWIFTWRITE_HOME/heads/<model dir name>.safetensors
     log=print,  # progress lines
     *,

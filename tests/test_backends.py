@@ -10,7 +10,7 @@ import types
 import pytest
 
 from gguf_tiny import write_gguf
-from swiftwrite import backends, ggmlmodel
+from swiftwrite import backends, ggmlmodel, measurements
 from swiftwrite.config import Config
 from swiftwrite.errors import UserError
 from swiftwrite.model import load_lean
@@ -91,7 +91,7 @@ def test_auto_times_both_once_keeps_the_times_and_then_loads_only_the_faster(ggu
     said = []
     name, model = backends.measured(gguf_dir, 1, load_torch, load_ggml, said.append)
     assert loads == {"torch": 1, "ggml": 1}
-    times = next(v for k, v in backends._read().items() if "/rows" not in k)
+    times = next(v for k, v in measurements.read(backends._path()).items() if "/rows" not in k)
     assert name == min(times, key=times.get)
     assert model.__class__.__name__ == ("GgmlModel" if name == "ggml" else "LeanModel")
     assert len(said) == 1 and said[0].startswith(f"backend: {name}")

@@ -14,8 +14,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "swiftwrite"
 
 # Bottom to top. A module may import from its own layer and the layers before it.
 LAYERS = [
-    # foundations: the errors a user sees, where files live ($SWIFTWRITE_HOME), the lazy transformers gateway
-    ["errors", "paths", "hf"],
+    # foundations: the errors a user sees, where files live ($SWIFTWRITE_HOME), the lazy transformers gateway, files
+    # that survive a kill, the reader of the user's files, the machine's kept measurements
+    ["errors", "paths", "hf", "durable", "userfiles", "measurements"],
     # configuration: the table of the run's options (options), the run's configuration (config), the model's shape
     ["options", "config", "modelconfig"],
     # ops: arithmetic, KV caches, attention kernels, quantized kernels, weights on disk, exactness, the forward interface
@@ -29,7 +30,7 @@ LAYERS = [
     # the engine: token ids in, token ids and step statistics out
     ["engine", "curves"],
     # run I/O the loader and the writer share: prompts to ids, the run directory, the panel, statistics
-    ["durable", "rounds", "prompt", "rundir", "ui", "metrics"],
+    ["rounds", "prompt", "rundir", "ui", "metrics"],
     # loading: the model store, device and threads, ranks, model + engine assembled; training heads
     ["store", "devices", "threads", "ranks", "backends", "peers", "records", "headdata", "train_heads"],
     # the writer (and the bench harness beside it): outlines, interruptions, a session of the run loop and its

@@ -4,6 +4,7 @@ command or the README's options table drift from that table."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,7 +13,7 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from swiftwrite import cli
+from swiftwrite import cli, options
 from swiftwrite import config as config_mod
 from swiftwrite.config import Config, flag
 from swiftwrite.options import BY_NAME, OPTIONS
@@ -118,3 +119,81 @@ def test_the_readme_table_names_only_options_of_generate():
     assert readme_rows(), "README.md: no table under 'Options of `generate`'"
     assert readme_flags() <= known, f"README.md names options `generate` does not have: {readme_flags() - known}"
     assert README_PENDING <= set(BY_NAME)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The commands' own options: each declared once, in a table of options.py, as a run's are
+
+COMMANDS = {"generate": OPTIONS + options.GENERATE, "resume": options.RESUME, "bench": options.BENCH,
+            "train-heads": options.TRAIN_HEADS}
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_row_of_a_commands_table_is_one_of_its_options_with_its_help(name):
+    table = COMMANDS[name]
+    assert len({o.name for o in table}) == len(table), "a row is declared twice"
+    params = {p.name: p for p in typer.main.get_command(cli.app).commands[name].params if p.param_type_name == "option"}
+    assert set(params) == {o.name for o in table}
+    for o in table:
+        p = params[o.name]
+        assert p.opts == [flag(o.name)] and p.help == o.help and p.default is None, o.name  # None: not given
+        assert p.is_flag == (o.type is bool), o.name
+        if o.type is not bool:
+            assert p.metavar == o.metavar, o.name
+    shown = CliRunner().invoke(cli.app, [name, "--help"], terminal_width=200)
+    assert shown.exit_code == 0 and all(re.search(rf"^\s+{flag(o.name)}\b", shown.output, re.M) for o in table)
+
+
+@pytest.mark.parametrize("name", ["resume", "bench", "train-heads"])
+def test_a_default_named_in_a_commands_help_line_is_the_tables(name):
+    for o in COMMANDS[name]:
+        for word in re.findall(r"\bdefault ([\w.,-]+[\w])", o.help):
+            if o.default is not None:
+                assert word == str(o.default), (o.name, o.help)
+
+
+def heavy_stub(seen: dict) -> SimpleNamespace:
+    """The modules behind the commands, replaced by recorders (no torch, no model)."""
+    def keep(what):
+        return lambda *a, **k: seen.setdefault(what, (a, k)) and 0
+
+    return SimpleNamespace(
+        ranks=SimpleNamespace(current=None, recorded=lambda run_dir: (1, "cpu")),
+        writer=SimpleNamespace(resume=keep("resume")),
+        bench=SimpleNamespace(QUICK=["quick"], DEFAULT=["default"], run=keep("bench"), markdown=lambda report: ""),
+        store=SimpleNamespace(resolve=lambda model, log: SimpleNamespace(path=model)),
+        train_heads=SimpleNamespace(train=keep("train")))
+
+
+def test_train_heads_passes_the_tables_defaults_and_types_lr_as_a_number(monkeypatch):
+    from swiftwrite import train_heads  # torch: only this test needs the real signature
+
+    seen = {}
+    monkeypatch.setattr(cli, "heavy", lambda: heavy_stub(seen))
+    assert CliRunner().invoke(cli.app, ["train-heads", "--self-distill"]).exit_code == 0
+    (model,), kw = seen.pop("train")
+    asked = inspect.signature(train_heads.train).parameters
+    assert model == "smollm2-135m" and kw["self_distill"] is True
+    for o in options.TRAIN_HEADS:
+        if o.name in ("steps", "batch", "lr", "seq_len"):  # the command's default is train()'s
+            assert kw[o.name] == o.default == asked[o.name].default and type(kw[o.name]) is o.type
+    CliRunner().invoke(cli.app, ["train-heads", "--data", "d.txt", "--lr", "0.05", "--steps", "7"])
+    assert seen["train"][1]["lr"] == 0.05 and seen["train"][1]["steps"] == 7
+    result = CliRunner().invoke(cli.app, ["train-heads", "--lr", "fast"])
+    assert str(result.exception) == "--lr must be a number, got 'fast'."
+
+
+def test_resume_and_bench_type_their_numbers_and_fill_their_defaults(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(cli, "heavy", lambda: heavy_stub(seen))
+    CliRunner().invoke(cli.app, ["resume", str(tmp_path), "--tokens", "50", "--quiet"])
+    (run_dir, tokens, out, force, quiet, no_live, stats_json, world, edited), _ = seen.pop("resume")
+    assert (tokens, out, force, quiet, no_live, stats_json, world, edited) == (50, None, False, True, False, None, 1, None)
+    result = CliRunner().invoke(cli.app, ["resume", str(tmp_path), "--tokens", "many"])
+    assert str(result.exception) == "--tokens must be a whole number, got 'many'."
+    CliRunner().invoke(cli.app, ["bench", "--quick"])
+    (methods, settings, prompts, n, repeats, out), _ = seen.pop("bench")
+    assert (methods, settings, prompts, n, repeats, out) == (["quick"], ["greedy"], ["creative"], 300, 1, None)
+    CliRunner().invoke(cli.app, ["bench", "--repeats", "3", "--out", str(tmp_path)])
+    (methods, settings, prompts, n, repeats, out), _ = seen.pop("bench")
+    assert (methods, settings, n, repeats, out) == (["default"], ["greedy", "sample"], 2000, 3, tmp_path)
