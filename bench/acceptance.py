@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import common
-from swiftwrite.config import Config
-from swiftwrite.metrics import first_divergence
-from swiftwrite.assembly import build_engine, load
-from swiftwrite.prompt import apply_template, prompt_ids, read_prompt
-from swiftwrite.ui import Display
+from swiftwrite.base.config import Config
+from swiftwrite.base.metrics import first_divergence
+from swiftwrite.run.assembly import build_engine, load
+from swiftwrite.io.prompt import apply_template, prompt_ids, read_prompt
+from swiftwrite.io.ui import Display
 
 ROOT = common.ROOT
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -44,7 +44,7 @@ def write_model(d: Path, layers: int, default_dir: Path) -> int:
     from gguf import GGMLQuantizationType as T
     from gguf import GGUFWriter
 
-    from swiftwrite import store
+    from swiftwrite.models import store
 
     d.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((default_dir / "config.json").read_text())
@@ -110,7 +110,7 @@ def tokenizer_fields(gguf: Path) -> list:
 
 def peer(d: Path, tokens: int, threads: int, stats: Path) -> None:
     """In a child process: llama.cpp's own greedy loop on the GGUF, its tokens/s written to `stats`."""
-    from swiftwrite import peers
+    from swiftwrite.models import peers
 
     prompt = list(range(100, 132))
     llm = peers.load_llamacpp(d / "model.gguf", threads, len(prompt) + tokens + 16)
@@ -154,7 +154,8 @@ def main() -> None:
     if a.peer:
         return peer(a.peer, a.tokens, a.threads, Path(a.out))
 
-    from swiftwrite import quant, store
+    from swiftwrite.tensors import quant
+    from swiftwrite.models import store
 
     default_dir = store.pull(store.DEFAULT_MODEL)
     d = Path(a.dir)

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 import common
-from swiftwrite import budget
-from swiftwrite.model import load_lean
-from swiftwrite.store import resolve
+from swiftwrite.decoding import budget
+from swiftwrite.models.model import load_lean
+from swiftwrite.models.store import resolve
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--contexts", default="512,4096")
@@ -39,7 +39,7 @@ for ctx in [int(c) for c in a.contexts.split(",")]:
 # Plain greedy decoding, same prompt, both implementations, interleaved twice.
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from swiftwrite.weightfiles import keep_float_copy  # noqa: E402
+from swiftwrite.tensors.weightfiles import keep_float_copy  # noqa: E402
 
 keep_float_copy(ref.path)  # transformers reads safetensors: a GGUF store model's float copy
 hf = AutoModelForCausalLM.from_pretrained(str(ref.path), dtype=torch.float32).eval()

@@ -48,9 +48,9 @@ if not torch.cuda.is_available():  # a CPU run of the script: the kernel goes th
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import common  # noqa: E402
-from swiftwrite.config import Config  # noqa: E402
-from swiftwrite.metrics import distinct_n, first_divergence, longest_repeat  # noqa: E402
-from swiftwrite.ui import dtype_name  # noqa: E402
+from swiftwrite.base.config import Config  # noqa: E402
+from swiftwrite.base.metrics import distinct_n, first_divergence, longest_repeat  # noqa: E402
+from swiftwrite.io.ui import dtype_name  # noqa: E402
 
 ROOT = common.ROOT
 
@@ -134,9 +134,9 @@ def invariance(lean, sizes=(2, 4, 8, 16, 32, 64)) -> dict:
     with the forward as loaded, with torch's RMSNorm (ops.rms_norm) in place of the one loaded, with every RMSNorm
     computed row by row, and with the products row by row as well (row by row is a single step's computation by
     definition). Where one variant differs and a row-by-row part removes it, that part is the cause."""
-    from swiftwrite import model as model_module
-    from swiftwrite.exact import chain_probe
-    from swiftwrite.ops import rms_norm as torch_norm
+    from swiftwrite.models import model as model_module
+    from swiftwrite.tensors.exact import chain_probe
+    from swiftwrite.tensors.ops import rms_norm as torch_norm
 
     loaded_norm, stock_linear = lean.norm, model_module.linear
 
@@ -193,7 +193,7 @@ def tp_check(work: Path, device: str, world: int, layers: int, n: int, budget: i
 
     import tp_cost  # bench/tp_cost.py, a sibling
 
-    from swiftwrite.model import load_lean
+    from swiftwrite.models.model import load_lean
 
     path = work / "random-tp-shape"
     torch.manual_seed(0)
@@ -216,17 +216,17 @@ def tp_check(work: Path, device: str, world: int, layers: int, n: int, budget: i
 
 
 def load(model: Path, device: str, dtype: str, attention: str):
-    from swiftwrite import assembly
-    from swiftwrite.devices import pick_device
-    from swiftwrite.store import ModelRef
-    from swiftwrite.ui import Display
+    from swiftwrite.run import assembly
+    from swiftwrite.run.devices import pick_device
+    from swiftwrite.models.store import ModelRef
+    from swiftwrite.io.ui import Display
 
     cfg = Config(model=str(model), device=device, dtype=dtype, attention=attention)
     display = Display("quiet")
     if model.suffix == ".gguf" or (model / "tokenizer.json").exists() or (model / "tokenizer_config.json").exists():
         return assembly.load(cfg, display), display
     # a random stand-in has no tokenizer: the engine needs only ids
-    from swiftwrite.model import load_lean
+    from swiftwrite.models.model import load_lean
 
     # the fingerprint keys cached cost curves: a random stand-in of another shape must not reuse them
     shape = hashlib.sha256((model / "config.json").read_bytes()).hexdigest()[:12]
@@ -244,7 +244,7 @@ class graphs_on:
         self.lm = lm
 
     def __enter__(self):
-        from swiftwrite.graphs import GraphedModel
+        from swiftwrite.models.graphs import GraphedModel
 
         self.lean = self.lm.model
         self.lm.model, self.lm.cuda_graphs = GraphedModel(self.lean), True
@@ -256,7 +256,7 @@ class graphs_on:
 
 def forward_costs(lm, contexts, sizes, reps: int) -> list[dict]:
     """ms per forward of an n-node tree (causal mask) at each context length, plain forward vs graph replay."""
-    from swiftwrite.graphs import GraphedModel
+    from swiftwrite.models.graphs import GraphedModel
 
     lean = lm.model
     graphed = GraphedModel(lean)
@@ -287,7 +287,7 @@ def forward_costs(lm, contexts, sizes, reps: int) -> list[dict]:
 
 def run_engine(lm, display, prompt: list[int], n: int, draft: str, settings: dict, budget_s: float,
                draft_budget: str = "auto"):
-    from swiftwrite.assembly import build_engine, fit_budget
+    from swiftwrite.run.assembly import build_engine, fit_budget
 
     cfg = Config(draft=draft, tokens=n, budget=draft_budget, **settings).validate()
     engine = build_engine(cfg, lm, len(prompt), len(prompt) + n, display)
@@ -448,7 +448,7 @@ def prompt_for(lm) -> list[int]:
     if lm.tok is None:
         g = torch.Generator().manual_seed(1)
         return torch.randint(100, min(lm.model.cfg.vocab_size, 20000), (64,), generator=g).tolist()
-    from swiftwrite.prompt import apply_template, prompt_ids
+    from swiftwrite.io.prompt import apply_template, prompt_ids
 
     return prompt_ids(lm.tok, apply_template((ROOT / "prompts" / "lighthouse.txt").read_text(), "novel"), False)
 
@@ -470,10 +470,10 @@ def equality(a, report: dict, lm, display, prompt: list[int], settings: dict, na
 
 def half_section(a, report: dict, model: Path, t_start: float) -> None:
     """Speculative against plain output in --half-dtype, where equality holds by construction if the start-up check
-    passes (swiftwrite/exact.py: the products' piece sizes and pads measured on this GPU, single steps and trees
+    passes (swiftwrite/tensors/exact.py: the products' piece sizes and pads measured on this GPU, single steps and trees
     through the same kernels); a run whose check fails drafts nothing, so its equality would be trivial: the
     check's verdict goes beside the figures. Then the row-invariance table of that forward (`invariance`)."""
-    from swiftwrite.exact import check
+    from swiftwrite.tensors.exact import check
 
     with section(report, f"equality in {a.half_dtype}", a.out, t_start):
         half, display = load(model, a.device, a.half_dtype, a.attention)
@@ -519,7 +519,7 @@ def sections_after_load(a, report: dict, lm, display, model: Path, prompt: list[
                     from transformers import AutoModelForCausalLM
 
                     if hf is None:
-                        from swiftwrite.weightfiles import keep_float_copy
+                        from swiftwrite.tensors.weightfiles import keep_float_copy
 
                         keep_float_copy(model if model.is_dir() else lm.ref.path)
                         hf = AutoModelForCausalLM.from_pretrained(str(model) if model.is_dir() else str(lm.ref.path),

@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 import common
-from swiftwrite.metrics import distinct, first_divergence, longest_repeat
-from swiftwrite.rundir import PROGRESS, RunDir
+from swiftwrite.base.metrics import distinct, first_divergence, longest_repeat
+from swiftwrite.io.rundir import PROGRESS, RunDir
 
 ROOT = common.ROOT
 
@@ -130,9 +130,9 @@ def probe(run: Path, at: list[int], n: int) -> list[dict]:
     """Plain and speculative decoding side by side on the run's own history, each checked against the run."""
     import torch
 
-    from swiftwrite.config import Config
-    from swiftwrite.assembly import build_engine, fit_budget, load
-    from swiftwrite.ui import Display
+    from swiftwrite.base.config import Config
+    from swiftwrite.run.assembly import build_engine, fit_budget, load
+    from swiftwrite.io.ui import Display
 
     with RunDir.open(run) as rd:
         prompt, toks, conf = list(rd.prompt_ids), list(rd.tokens), dict(rd.config)
@@ -176,10 +176,10 @@ def peer(run: Path, size: int) -> dict:
 
 
 def peer_child(run: Path, size: int) -> None:
-    from swiftwrite.backends import gguf_path
-    from swiftwrite.config import Config
-    from swiftwrite.peers import llamacpp_long, load_llamacpp
-    from swiftwrite.store import resolve
+    from swiftwrite.models.backends import gguf_path
+    from swiftwrite.base.config import Config
+    from swiftwrite.models.peers import llamacpp_long, load_llamacpp
+    from swiftwrite.models.store import resolve
 
     with RunDir.open(run) as rd:
         prompt, n, conf = list(rd.prompt_ids), len(rd.tokens), dict(rd.config)

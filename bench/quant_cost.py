@@ -8,7 +8,7 @@ peak resident memory is its own: loading included) and writes, with the novel te
 and each sampler setting (greedy and seeded sampling, the penalty on, as `swiftwrite bench` runs them):
   * tokens per second of `--draft none` and `--draft all` (automatic budget), tokens per forward, and the first
     position where `all` leaves `none` (None = identical: speculation is exact against the same weights);
-  * the text's Distinct-1..4 and longest repeat (swiftwrite.metrics), and the first position where the
+  * the text's Distinct-1..4 and longest repeat (swiftwrite.base.metrics), and the first position where the
     setting's `none` text leaves the float `none` text (quantized weights write another text);
   * the bytes the setting keeps in the model store (the float safetensors, or the quantized file) and the
     process's peak resident memory; load seconds. The first run of a setting also quantizes, once, from the
@@ -38,7 +38,7 @@ ROOT = common.ROOT
 
 SETTINGS = ("float", "bfloat16", "int8", "int4")  # bfloat16: the float weights held and computed in bfloat16
 LLAMA_CPP = ("llama.cpp", "llama.cpp-lookup")  # with --gguf: llama.cpp plain and with its prompt-lookup drafts
-TRANSFORMERS = {"transformers": "hf", "transformers-lookup": "hf-lookup"}  # -> swiftwrite.bench's method
+TRANSFORMERS = {"transformers": "hf", "transformers-lookup": "hf-lookup"}  # -> swiftwrite.run.bench's method
 PEERS = (*LLAMA_CPP, *TRANSFORMERS)
 SAMPLERS = ("greedy", "sample")
 
@@ -47,11 +47,13 @@ def one_setting(weights: str, tokens: int, threads: int, samplers: list[str], wo
     """Runs in its own process: load with `weights`, then none and all per sampler setting."""
     import torch
 
-    from swiftwrite import assembly, quant, store
-    from swiftwrite.bench import SETTINGS as BENCH_SETTINGS, run_one, workload_ids
-    from swiftwrite.config import Config
-    from swiftwrite.metrics import distinct, first_divergence, longest_repeat
-    from swiftwrite.ui import Display
+    from swiftwrite.run import assembly
+    from swiftwrite.tensors import quant
+    from swiftwrite.models import store
+    from swiftwrite.run.bench import SETTINGS as BENCH_SETTINGS, run_one, workload_ids
+    from swiftwrite.base.config import Config
+    from swiftwrite.base.metrics import distinct, first_divergence, longest_repeat
+    from swiftwrite.io.ui import Display
 
     torch.set_num_threads(threads)
     display = Display("quiet")
@@ -92,12 +94,12 @@ def transformers_rows(method: str, tokens: int, threads: int, samplers: list[str
     import torch
     from transformers import AutoModelForCausalLM
 
-    from swiftwrite import assembly
-    from swiftwrite.bench import SETTINGS as BENCH_SETTINGS, run_one, workload_ids
-    from swiftwrite.config import Config
-    from swiftwrite.metrics import distinct, longest_repeat
-    from swiftwrite.ui import Display
-    from swiftwrite.weightfiles import keep_float_copy
+    from swiftwrite.run import assembly
+    from swiftwrite.run.bench import SETTINGS as BENCH_SETTINGS, run_one, workload_ids
+    from swiftwrite.base.config import Config
+    from swiftwrite.base.metrics import distinct, longest_repeat
+    from swiftwrite.io.ui import Display
+    from swiftwrite.tensors.weightfiles import keep_float_copy
 
     torch.set_num_threads(threads)
     display = Display("quiet")
@@ -132,9 +134,9 @@ def llama_cpp_rows(method: str, gguf: Path, tokens: int, threads: int, samplers:
         return {"method": method, "skipped": f"llama-cpp-python is not installed ({e}): pip install -e '.[peers]'"}
     from transformers import AutoTokenizer
 
-    from swiftwrite import store
-    from swiftwrite.bench import workload_ids
-    from swiftwrite.metrics import distinct, longest_repeat
+    from swiftwrite.models import store
+    from swiftwrite.run.bench import workload_ids
+    from swiftwrite.base.metrics import distinct, longest_repeat
 
     tok = AutoTokenizer.from_pretrained(store.locate("smollm2-135m"))
     ids, _ = workload_ids(tok, workload)  # its penalty window is its own: the last 256 tokens, prompt or not
@@ -190,8 +192,8 @@ def main():
         return
     import torch
 
-    from swiftwrite.bench import workload
-    from swiftwrite.config import Config
+    from swiftwrite.run.bench import workload
+    from swiftwrite.base.config import Config
 
     torch.set_num_threads(a.threads)  # what machine() reports; each setting's process sets it for itself
     report = {"date": common.now(), "machine": common.machine(),
@@ -229,7 +231,7 @@ def compare(report: dict) -> None:
     """Where texts part: every row against float `none` (another text, unless it is exact against it), and each
     peer's drafting against its own plain decoding (llama.cpp's lookup vs llama.cpp, transformers' lookup vs
     transformers), in `first_diff_vs_none` as our `all` against our `none`."""
-    from swiftwrite.metrics import first_divergence
+    from swiftwrite.base.metrics import first_divergence
 
     rows = [r for res in report["results"] for r in res.get("rows", [])]
     plain = {(r["sampler"], r["method"]): r.get("tokens") for r in rows}

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 import common
-from swiftwrite.metrics import capitalised_share, distinct, distinct_per_window, glued_share, longest_repeat
-from swiftwrite.rundir import RunDir
+from swiftwrite.base.metrics import capitalised_share, distinct, distinct_per_window, glued_share, longest_repeat
+from swiftwrite.io.rundir import RunDir
 
 WINDOW = 500
 
@@ -50,7 +50,7 @@ def quality(run: Path, segment: int) -> dict:
 def sections(toks: list[int], outline: dict) -> list[dict]:
     """Per section of an outlined run: where the rule put its heading (replayed from the tokens, as resume does),
     its length against its budget, and the text measures of what the model wrote under it."""
-    from swiftwrite import outline as outlines
+    from swiftwrite.run import outline as outlines
 
     plan = outlines.Plan.from_json(outline)
     sched = outlines.Schedule(plan, outlines.ender_ids(tokenizer(), len(tokenizer())))
@@ -80,7 +80,7 @@ def sections(toks: list[int], outline: dict) -> list[dict]:
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from swiftwrite.store import DEFAULT_MODEL, pull
+    from swiftwrite.models.store import DEFAULT_MODEL, pull
 
     return AutoTokenizer.from_pretrained(pull(DEFAULT_MODEL))
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism on this CPU (swiftwrite/parallel.py): 2 gloo ranks against one process, on a random model of
+"""Tensor parallelism on this CPU (swiftwrite/models/parallel.py): 2 gloo ranks against one process, on a random model of
 the default model's size whose heads divide by 2.
 
     python bench/tp_cost.py --tokens 300 --out bench/results/tp_cost-DATE.json
@@ -38,10 +38,10 @@ SAMPLED = dict(temperature=0.8, min_p=0.05, penalty=1.2, window=64, seed=7)
 
 
 def decode(model, drafts: list[str], n: int, budget: int, settings: dict | None = None) -> dict:
-    from swiftwrite.engine import Engine, make_sources
-    from swiftwrite.metrics import distinct_n, longest_repeat
-    from swiftwrite.sampling import Sampler, SamplerSettings
-    from swiftwrite.window import Window
+    from swiftwrite.decoding.engine import Engine, make_sources
+    from swiftwrite.base.metrics import distinct_n, longest_repeat
+    from swiftwrite.decoding.sampling import Sampler, SamplerSettings
+    from swiftwrite.decoding.window import Window
 
     vocab = model.cfg.vocab_size
     prompt = torch.randint(100, 20000, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -69,7 +69,7 @@ def memory(model, cache_tokens: int) -> dict:
 def rank_main(rank: int, world: int, init: str, model_dir: str, out: str, n: int, budget: int,
               device: str = "cpu") -> None:
     """One rank of `world` (torch.multiprocessing.spawn): gloo on the CPU, NCCL on GPU `rank` (bench/gpu_check.py)."""
-    from swiftwrite.parallel import Leader, follow, load_sharded
+    from swiftwrite.models.parallel import Leader, follow, load_sharded
 
     torch.set_num_threads(1)
     cuda = device == "cuda"
@@ -105,8 +105,8 @@ def main():
     a = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from swiftwrite.metrics import first_divergence
-    from swiftwrite.model import load_lean
+    from swiftwrite.base.metrics import first_divergence
+    from swiftwrite.models.model import load_lean
 
     work = Path(tempfile.mkdtemp(prefix="tp-cost-"))
     torch.manual_seed(0)

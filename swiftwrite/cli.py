@@ -22,10 +22,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from . import config as config_mod
-from . import options
-from .errors import RankLost, UsageError, UserError
-from .options import OPTIONS, Option
+from .base import config as config_mod
+from .base import options
+from .base.errors import RankLost, UsageError, UserError
+from .base.options import OPTIONS, Option
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Write long documents with a local language model, faster, token for token unchanged.")
@@ -38,7 +38,11 @@ Opt = typer.Option
 def heavy() -> SimpleNamespace:
     """The modules behind the commands. They import torch and the model code (a second or more), which `--help`
     and a mistyped option never need: imported when a command runs, here only."""
-    from . import bench, ranks, store, train_heads, ui, writer  # heavy (torch): imported on a command's first use
+    # heavy (torch): imported on a command's first use
+    from .io import ui
+    from .models import store
+    from .run import bench, ranks, writer
+    from .training import train_heads
 
     return SimpleNamespace(bench=bench, ranks=ranks, store=store, train_heads=train_heads, ui=ui, writer=writer)
 

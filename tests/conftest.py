@@ -13,9 +13,9 @@ if not torch.cuda.is_available():
 # llama.cpp, and the torch tests compare with transformers and in-process torch engines. Subprocesses inherit it.
 os.environ.setdefault("SWIFTWRITE_BACKEND", "torch")
 
-from swiftwrite import store  # noqa: E402
-from swiftwrite.errors import UserError
-from swiftwrite.weightfiles import keep_float_copy
+from swiftwrite.models import store  # noqa: E402
+from swiftwrite.base.errors import UserError
+from swiftwrite.tensors.weightfiles import keep_float_copy
 
 # The suite runs on two pytest-xdist workers, whole files each (pyproject's addopts). Each worker computes on one
 # intra-op thread: two workers with two threads each would oversubscribe the two cores, and a 2-thread torch waits

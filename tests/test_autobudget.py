@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from swiftwrite.autobudget import (CALIBRATION_DECAY, CALIBRATION_PRIOR, CHECK_EVERY, COST_BUCKET, EXPLORE_EVERY,
+from swiftwrite.decoding.autobudget import (CALIBRATION_DECAY, CALIBRATION_PRIOR, CHECK_EVERY, COST_BUCKET, EXPLORE_EVERY,
                                    EXPLORE_MAX, TIMED, AutoBudget)
-from swiftwrite.budget import SIZES, CostCurve
-from swiftwrite.drafting import AcceptanceStats
-from swiftwrite.tree import DraftTree
+from swiftwrite.decoding.budget import SIZES, CostCurve
+from swiftwrite.decoding.drafting import AcceptanceStats
+from swiftwrite.decoding.tree import DraftTree
 
 HOPELESS = CostCurve(SIZES, [1.0, 100.0, 200.0, 400.0, 800.0, 1600.0, 3200.0])  # no draft node ever pays
 FLAT = CostCurve(SIZES, [1.0, 1.0, 1.0, 1.01, 1.02, 1.05, 1.1])  # a GPU: any decent node pays

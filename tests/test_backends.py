@@ -1,4 +1,4 @@
-"""Choosing the backend (swiftwrite/backends.py): what makes llama.cpp impossible is one sentence that says what to do;
+"""Choosing the backend (swiftwrite/models/backends.py): what makes llama.cpp impossible is one sentence that says what to do;
 `auto` without a working binding runs torch with a notice; `auto` with one times both on this machine once, keeps
 the times, and afterwards loads only the faster; a binding that imports but fails is reported, not a traceback."""
 
@@ -10,10 +10,11 @@ import types
 import pytest
 
 from gguf_tiny import write_gguf
-from swiftwrite import backends, ggmlmodel, measurements
-from swiftwrite.config import Config
-from swiftwrite.errors import UserError
-from swiftwrite.model import load_lean
+from swiftwrite.models import backends, ggmlmodel
+from swiftwrite.base import measurements
+from swiftwrite.base.config import Config
+from swiftwrite.base.errors import UserError
+from swiftwrite.models.model import load_lean
 from tiny import tiny_hf_model
 
 

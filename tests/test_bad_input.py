@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from swiftwrite import store
-from swiftwrite.config import Config
-from swiftwrite.rundir import RunDir
+from swiftwrite.models import store
+from swiftwrite.base.config import Config
+from swiftwrite.io.rundir import RunDir
 
 HAS_CUDA = torch.cuda.is_available()
 NUMERIC_BAD = [  # (option, value): every numeric option given a non-number, a negative and an out-of-range value
@@ -332,7 +332,7 @@ def test_device_and_dtype_choices(monkeypatch):
     drafting (exact.py makes it exact against its own plain decoding, or the run drafts nothing and says why); a
     pre-Ampere GPU asked for bfloat16 gets float16, a CPU asked for float16 gets float32, each with a notice.
     torch.cuda is asked, not used, so this runs anywhere."""
-    from swiftwrite.devices import pick_device
+    from swiftwrite.run.devices import pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
@@ -359,10 +359,10 @@ def test_quantized_weights_are_refused_where_they_cannot_run(tmp_path):
     what to use instead (the text of a float run would not be the quantized one, so there is no silent switch)."""
     from types import SimpleNamespace
 
-    from swiftwrite import quant
-    from swiftwrite.devices import pick_weights
-    from swiftwrite.errors import UserError
-    from swiftwrite.model import ModelConfig, read_hf_config
+    from swiftwrite.tensors import quant
+    from swiftwrite.run.devices import pick_weights
+    from swiftwrite.base.errors import UserError
+    from swiftwrite.models.model import ModelConfig, read_hf_config
     from tiny import tiny_hf_model
 
     path, _ = tiny_hf_model("llama", out_dir=tmp_path / "m")
@@ -380,7 +380,7 @@ def test_quantized_weights_are_refused_where_they_cannot_run(tmp_path):
 
 
 def test_attention_choices_say_why_they_fall_back(monkeypatch):
-    from swiftwrite.attention import attention_plan
+    from swiftwrite.tensors.attention import attention_plan
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert attention_plan("auto", "cpu", torch.float32) == (False, False, [])
@@ -411,7 +411,7 @@ class Said:
 def test_float32_weights_that_do_not_fit_fall_back_to_bfloat16_and_the_run_records_it(monkeypatch, tmp_path):
     """`--dtype auto` is float32 unless its weights do not fit while half-size ones do (an 8B model on a 24 GB
     GPU); then bfloat16, said as such. An explicit float32 that does not fit is refused with what to do."""
-    from swiftwrite import devices, assembly
+    from swiftwrite.run import devices, assembly
     from tiny import tiny_hf_model
 
     path, _ = tiny_hf_model("llama", out_dir=tmp_path / "m")
@@ -443,7 +443,7 @@ def test_float32_weights_that_do_not_fit_fall_back_to_bfloat16_and_the_run_recor
 def test_weights_and_kv_cache_are_checked_against_gpu_memory(monkeypatch, tmp_path):
     """On CUDA the free memory is the GPU's (torch.cuda.mem_get_info); weights already loaded are not counted
     twice. torch.cuda is asked, not used."""
-    from swiftwrite import devices, assembly
+    from swiftwrite.run import devices, assembly
     from tiny import tiny_hf_model
 
     path, _ = tiny_hf_model("llama", out_dir=tmp_path / "m", max_position_embeddings=4096)

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import yaml
 
-from swiftwrite.bans import MAX_RETRIES, Bans, PhraseError, check_phrases, read_ban_file, variants
-from swiftwrite.config import Config
-from swiftwrite.engine import Engine, make_sources
-from swiftwrite.errors import UsageError
-from swiftwrite.heads import HeadsDrafter, TwoPassHeadsDrafter
-from swiftwrite.model import load_lean
-from swiftwrite.sampling import Sampler
-from swiftwrite.train_heads import fit
-from swiftwrite.window import Window
+from swiftwrite.decoding.bans import MAX_RETRIES, Bans, PhraseError, check_phrases, read_ban_file, variants
+from swiftwrite.base.config import Config
+from swiftwrite.decoding.engine import Engine, make_sources
+from swiftwrite.base.errors import UsageError
+from swiftwrite.decoding.heads import HeadsDrafter, TwoPassHeadsDrafter
+from swiftwrite.models.model import load_lean
+from swiftwrite.decoding.sampling import Sampler
+from swiftwrite.training.train_heads import fit
+from swiftwrite.decoding.window import Window
 from tiny_lossless import CONTEXT, DRAFTS, SETTINGS, VOCAB, prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -220,7 +220,7 @@ def test_a_run_resumed_where_a_checkpoint_can_fall_writes_the_same_text(model, b
 
 
 def test_a_ban_file_that_is_missing_or_binary_stops_the_run_before_its_directory_exists(tmp_path):
-    from swiftwrite import writer  # the writer's layer: imported by the tests that drive it
+    from swiftwrite.run import writer  # the writer's layer: imported by the tests that drive it
 
     brief = tmp_path / "brief.txt"
     brief.write_text("A lighthouse keeper finds a bottle.")
@@ -244,7 +244,7 @@ def test_the_default_model_never_writes_a_banned_phrase_drafting_equals_plain_an
     """The default model, greedy, 300 tokens: ban a phrase its unbanned text holds; the banned runs with --draft none
     and --draft all write the same tokens, none holds the phrase, the run directory keeps it, a resume of the run
     cut back to a checkpoint writes the same tokens, and the statistics count the backtracks."""
-    from swiftwrite import writer
+    from swiftwrite.run import writer
 
     brief = tmp_path / "brief.txt"
     brief.write_text("Write a short story about a lighthouse keeper who finds a message in a bottle.")

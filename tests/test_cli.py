@@ -203,7 +203,7 @@ def test_stats_json_has_the_promised_keys(greedy_ref, work):
     assert set(stats["per_source"]) == {"recycling", "ngram", "heads"}
     assert stats["peak_rss_bytes"] > 0 and stats["seconds"] > 0
     # text quality beside the speed: the figures of the tokens on disk, and no loop in a short healthy run
-    from swiftwrite.metrics import distinct, distinct_per_window, longest_repeat
+    from swiftwrite.base.metrics import distinct, distinct_per_window, longest_repeat
 
     toks = read_tokens(greedy_ref.dir)
     assert stats["distinct_1_per_500"] == distinct_per_window(toks, 500) and len(stats["distinct_1_per_500"]) == T // 500
@@ -214,8 +214,8 @@ def test_stats_json_has_the_promised_keys(greedy_ref, work):
 
 
 def test_progress_log_records_the_recent_distinct_4_distinct_1_and_the_current_repeat(greedy_ref):
-    from swiftwrite.metrics import distinct_n
-    from swiftwrite.repetition import LoopWatch
+    from swiftwrite.base.metrics import distinct_n
+    from swiftwrite.decoding.repetition import LoopWatch
 
     toks = read_tokens(greedy_ref.dir)
     records = [json.loads(line) for line in (greedy_ref.dir / "progress.jsonl").read_text().splitlines()]
@@ -470,7 +470,7 @@ def test_a_character_cut_by_a_checkpoint_is_completed_after_resume(default_model
     tokens.bin but not in output.txt; the resumed stream must pick them up, or the character is lost."""
     from transformers import AutoTokenizer
 
-    from swiftwrite.prompt import TextStream
+    from swiftwrite.io.prompt import TextStream
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
     history = tok("The keeper wrote:", add_special_tokens=False)["input_ids"]

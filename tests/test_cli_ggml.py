@@ -94,6 +94,6 @@ def test_auto_says_once_which_backend_it_chose_and_why(work, tmp_path):
 
 
 def default_model_dir_of(work):
-    from swiftwrite import store
+    from swiftwrite.models import store
 
     return store.locate(store.DEFAULT_MODEL)

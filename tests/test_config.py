@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from swiftwrite.config import FIELDS, Config, coerce, resolve
-from swiftwrite.errors import UsageError
+from swiftwrite.base.config import FIELDS, Config, coerce, resolve
+from swiftwrite.base.errors import UsageError
 
 NO_FLAGS: dict = {}
 
@@ -92,7 +92,7 @@ def test_a_run_saved_before_an_option_existed_resumes_as_it_started():
 
 
 def test_breakers_are_comma_separated_strings_with_escapes():
-    from swiftwrite.config import breaker_strings
+    from swiftwrite.base.config import breaker_strings
 
     assert breaker_strings("\\n") == ["\n"]
     assert breaker_strings("\\n,:,\\,,\\\\") == ["\n", ":", ",", "\\"]

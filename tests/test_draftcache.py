@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swiftwrite.draftcache import SINKS, PartialCache, importance, select
-from swiftwrite.model import KVCache, load_lean
+from swiftwrite.tensors.draftcache import SINKS, PartialCache, importance, select
+from swiftwrite.models.model import KVCache, load_lean
 from tiny import tiny_hf_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

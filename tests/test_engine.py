@@ -24,12 +24,12 @@ import dataclasses
 import pytest
 import torch
 
-from swiftwrite.budget import SIZES, CostCurve
-from swiftwrite.engine import Engine, make_sources
-from swiftwrite.model import load_lean
-from swiftwrite.repetition import DrySettings
-from swiftwrite.sampling import Sampler, SamplerSettings
-from swiftwrite.window import Window
+from swiftwrite.decoding.budget import SIZES, CostCurve
+from swiftwrite.decoding.engine import Engine, make_sources
+from swiftwrite.models.model import load_lean
+from swiftwrite.decoding.repetition import DrySettings
+from swiftwrite.decoding.sampling import Sampler, SamplerSettings
+from swiftwrite.decoding.window import Window
 from tiny import sharpened_tiny_model
 
 N_TOKENS = 1000
@@ -236,7 +236,7 @@ def test_an_auto_budget_at_zero_rests_and_looks_again_less_often_while_looks_fin
     CHECK_EVERY-th resting step only. A costly source sits out; after EXPLORE_EVERY resting steps it proposes
     again (a look, checked in the shadow); each look where none of its drafts is accepted doubles the wait for the
     next (up to EXPLORE_MAX), and one where one is brings it back to EXPLORE_EVERY."""
-    from swiftwrite.autobudget import CHECK_EVERY, EXPLORE_EVERY, EXPLORE_MAX
+    from swiftwrite.decoding.autobudget import CHECK_EVERY, EXPLORE_EVERY, EXPLORE_MAX
 
     calls, cheap = [], []
     engine = _hopeless_engine(models, calls)

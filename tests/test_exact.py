@@ -1,4 +1,4 @@
-"""Exact half precision (swiftwrite/exact.py, model.linear's pad, model._attend_rows): in bfloat16 a tree's rows get
+"""Exact half precision (swiftwrite/tensors/exact.py, model.linear's pad, model._attend_rows): in bfloat16 a tree's rows get
 the bits single decoding steps give them, so speculative output equals plain decoding token for token, every draft
 source, greedy and sampled, across context rebuilds; the start-up probe catches a kernel or an attention whose rows
 depend on how many run together, and a run then decodes without drafts with one sentence saying why."""
@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from swiftwrite import exact, model as model_mod
-from swiftwrite.engine import Engine, make_sources
-from swiftwrite.heads import HeadsDrafter
-from swiftwrite.model import linear, load_lean
-from swiftwrite.sampling import Sampler
-from swiftwrite.train_heads import fit
-from swiftwrite.window import Window
+from swiftwrite.tensors import exact
+from swiftwrite.models import model as model_mod
+from swiftwrite.decoding.engine import Engine, make_sources
+from swiftwrite.decoding.heads import HeadsDrafter
+from swiftwrite.models.model import linear, load_lean
+from swiftwrite.decoding.sampling import Sampler
+from swiftwrite.training.train_heads import fit
+from swiftwrite.decoding.window import Window
 from tiny_lossless import CONTEXT, DRAFTS, SETTINGS, VOCAB, generate, prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -210,8 +211,8 @@ def test_resume_in_the_middle_continues_with_the_same_tokens_in_bfloat16(bf16, p
 
 
 def test_a_bfloat16_run_whose_probe_fails_drafts_nothing_says_why_and_completes(bf16, monkeypatch):
-    from swiftwrite import assembly
-    from swiftwrite.config import Config
+    from swiftwrite.run import assembly
+    from swiftwrite.base.config import Config
 
     lm = assembly.Loaded(None, None, bf16.cfg, "cpu", BF16, model=bf16)
     said = []
@@ -240,9 +241,10 @@ REAL_N = 300
 
 @pytest.fixture(scope="module")
 def real_bf16(default_model_dir):
-    from swiftwrite import assembly, prompt as prompt_mod
-    from swiftwrite.config import Config
-    from swiftwrite.ui import Display
+    from swiftwrite.run import assembly
+    from swiftwrite.io import prompt as prompt_mod
+    from swiftwrite.base.config import Config
+    from swiftwrite.io.ui import Display
 
     lm = assembly.load(Config(model=str(default_model_dir), dtype="bfloat16"), Display("quiet"))
     brief = "Write a long story about a lighthouse keeper who finds a message in a bottle."
@@ -251,9 +253,9 @@ def real_bf16(default_model_dir):
 
 
 def real_run(lm, ids, sampler: dict, **draft):
-    from swiftwrite import assembly
-    from swiftwrite.config import Config
-    from swiftwrite.ui import Display
+    from swiftwrite.run import assembly
+    from swiftwrite.base.config import Config
+    from swiftwrite.io.ui import Display
 
     cfg = Config(dtype="bfloat16", context=256, tokens=REAL_N, seed=7, **sampler, **draft).validate()
     engine = assembly.build_engine(cfg, lm, len(ids), len(ids) + REAL_N, Display("quiet"))

@@ -1,4 +1,4 @@
-"""The llama.cpp backend (swiftwrite/ggmlmodel.py) behind the engine, on a tiny random GGUF written in-process
+"""The llama.cpp backend (swiftwrite/models/ggmlmodel.py) behind the engine, on a tiny random GGUF written in-process
 (tests/gguf_tiny.py: llama architecture, Q4_0/Q4_1/Q8_0/F16 tensors, a byte-level tokenizer).
 
 Properties: the start-up probe passes here (a batch's and a tree's rows carry a single step's bits) and catches a
@@ -16,17 +16,17 @@ import pytest
 import torch
 
 from gguf_tiny import write_gguf
-from swiftwrite.bans import Bans
-from swiftwrite.engine import Engine, make_sources
-from swiftwrite.sampling import Sampler, SamplerSettings
-from swiftwrite.window import Window
+from swiftwrite.decoding.bans import Bans
+from swiftwrite.decoding.engine import Engine, make_sources
+from swiftwrite.decoding.sampling import Sampler, SamplerSettings
+from swiftwrite.decoding.window import Window
 
 if not os.environ.get("SWIFTWRITE_REQUIRE_GGML"):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'swiftwrite[ggml]')")
 
-from swiftwrite import ggmlmodel  # noqa: E402
-from swiftwrite.ggmlmodel import GgmlModel  # noqa: E402
-from swiftwrite.model import ModelConfig  # noqa: E402
+from swiftwrite.models import ggmlmodel  # noqa: E402
+from swiftwrite.models.ggmlmodel import GgmlModel  # noqa: E402
+from swiftwrite.models.model import ModelConfig  # noqa: E402
 
 VOCAB, CONTEXT = 96, 256
 SETTINGS = {

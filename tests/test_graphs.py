@@ -20,12 +20,12 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="the static forward uses the Triton tree kernel (pip install -e '.[test]')")
 
 from swiftwrite.kernels.tree_attention import ancestry_bits  # noqa: E402
-from swiftwrite.engine import Engine, make_sources  # noqa: E402
-from swiftwrite.graphs import BUCKETS, GraphedModel, bucket_for  # noqa: E402
-from swiftwrite.model import load_lean  # noqa: E402
-from swiftwrite.sampling import Sampler, SamplerSettings  # noqa: E402
-from swiftwrite.tree import DraftTree  # noqa: E402
-from swiftwrite.window import Window  # noqa: E402
+from swiftwrite.decoding.engine import Engine, make_sources  # noqa: E402
+from swiftwrite.models.graphs import BUCKETS, GraphedModel, bucket_for  # noqa: E402
+from swiftwrite.models.model import load_lean  # noqa: E402
+from swiftwrite.decoding.sampling import Sampler, SamplerSettings  # noqa: E402
+from swiftwrite.decoding.tree import DraftTree  # noqa: E402
+from swiftwrite.decoding.window import Window  # noqa: E402
 from tiny import sharpened_tiny_model, tiny_hf_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

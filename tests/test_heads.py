@@ -18,18 +18,18 @@ import numpy as np
 import pytest
 import torch
 
-from swiftwrite import heads as heads_mod
-from swiftwrite import store
-from swiftwrite.engine import SOURCES, Engine, make_sources
-from swiftwrite.errors import UsageError, UserError
-from swiftwrite.heads import (GAMMA, Heads, HeadsDrafter, HeadsError, TwoPassHeadsDrafter, default_heads_path, load_heads,
+from swiftwrite.decoding import heads as heads_mod
+from swiftwrite.models import store
+from swiftwrite.decoding.engine import SOURCES, Engine, make_sources
+from swiftwrite.base.errors import UsageError, UserError
+from swiftwrite.decoding.heads import (GAMMA, Heads, HeadsDrafter, HeadsError, TwoPassHeadsDrafter, default_heads_path, load_heads,
                               save_heads)
-from swiftwrite.model import load_lean
-from swiftwrite.sampling import Sampler, SamplerSettings
-from swiftwrite.headdata import BRIEFS
-from swiftwrite.train_heads import fit, train
-from swiftwrite.tree import DraftTree
-from swiftwrite.window import Window
+from swiftwrite.models.model import load_lean
+from swiftwrite.decoding.sampling import Sampler, SamplerSettings
+from swiftwrite.training.headdata import BRIEFS
+from swiftwrite.training.train_heads import fit, train
+from swiftwrite.decoding.tree import DraftTree
+from swiftwrite.decoding.window import Window
 from tiny import sharpened_tiny_model, tiny_hf_model
 
 HEADS_BIT = 1 << SOURCES.index("heads")
@@ -123,7 +123,7 @@ def test_untrained_heads_repeat_the_models_next_token_guess(tiny):
 
 def test_the_draft_tree_is_the_product_of_each_heads_top_k_and_respects_limits(tiny):
     _, model = tiny
-    from swiftwrite.drafting import AcceptanceStats
+    from swiftwrite.decoding.drafting import AcceptanceStats
 
     stats = AcceptanceStats(len(SOURCES))
     d = HeadsDrafter.factory(random_heads(model), model)(SOURCES.index("heads"), stats)
@@ -417,7 +417,7 @@ def test_two_pass_heads_equal_plain_across_context_rebuilds(trained):
 
 @pytest.mark.parametrize("mode", ["fused", "two-pass"])
 def test_heads_with_ngram_suppression_equal_plain_across_context_rebuilds(trained, mode):
-    from swiftwrite.repetition import DrySettings
+    from swiftwrite.decoding.repetition import DrySettings
 
     model, prompt, _, factory = trained("qwen3-s1")
     settings = SamplerSettings(temperature=0.8, min_p=0.1, penalty=1.3, window=32, seed=3,
@@ -446,7 +446,7 @@ def test_shipped_heads_load_for_the_default_model_and_are_lossless(default_model
     factory = HeadsDrafter.factory(heads, model)
     from transformers import AutoTokenizer
 
-    from swiftwrite.prompt import apply_template, prompt_ids
+    from swiftwrite.io.prompt import apply_template, prompt_ids
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
     brief = (Path(__file__).resolve().parent.parent / "prompts" / "lighthouse.txt").read_text()

@@ -12,10 +12,10 @@ import pytest
 import torch
 import transformers
 
-from swiftwrite.engine import Engine, make_sources
-from swiftwrite.hfmodel import HFModel, load_hf
-from swiftwrite.sampling import Sampler, SamplerSettings
-from swiftwrite.window import Window
+from swiftwrite.decoding.engine import Engine, make_sources
+from swiftwrite.models.hfmodel import HFModel, load_hf
+from swiftwrite.decoding.sampling import Sampler, SamplerSettings
+from swiftwrite.decoding.window import Window
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -15,9 +15,9 @@ pytest.importorskip("triton", reason="the tree kernel needs triton (pip install 
 
 from swiftwrite.kernels import rms_norm as norm_kernel  # noqa: E402
 from swiftwrite.kernels import tree_attention as ta  # noqa: E402
-from swiftwrite.model import attention, load_lean  # noqa: E402
-from swiftwrite.ops import rms_norm  # noqa: E402
-from swiftwrite.tree import DraftTree  # noqa: E402
+from swiftwrite.models.model import attention, load_lean  # noqa: E402
+from swiftwrite.tensors.ops import rms_norm  # noqa: E402
+from swiftwrite.decoding.tree import DraftTree  # noqa: E402
 from tiny import tiny_hf_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -97,7 +97,7 @@ def test_the_text_does_not_depend_on_how_tokens_are_grouped_into_steps(default_m
     sweep saw a resumed run (same tokens, other step sizes: a cold drafter) write U+FFFD three times instead."""
     from transformers import AutoTokenizer
 
-    from swiftwrite.prompt import TextStream
+    from swiftwrite.io.prompt import TextStream
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731

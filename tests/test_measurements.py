@@ -1,4 +1,4 @@
-"""The machine's kept measurements (swiftwrite/measurements.py): a cache, never a record. A damaged file or entry
+"""The machine's kept measurements (swiftwrite/base/measurements.py): a cache, never a record. A damaged file or entry
 costs a measurement again and is rewritten; a write is whole or absent, even when its writer dies half-way; the
 entries of a file live side by side."""
 
@@ -10,8 +10,10 @@ import signal
 
 import pytest
 
-from swiftwrite import backends, budget, durable, measurements
-from swiftwrite.budget import SIZES, CostCurve
+from swiftwrite.models import backends
+from swiftwrite.decoding import budget
+from swiftwrite.base import durable, measurements
+from swiftwrite.decoding.budget import SIZES, CostCurve
 
 GOOD = [19.2, 25.4, 26.3, 39.1, 50.5, 73.2, 116.1]
 

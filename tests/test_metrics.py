@@ -2,7 +2,7 @@
 
 import pytest
 
-from swiftwrite.metrics import (capitalised_share, distinct, distinct_n, distinct_per_window, first_divergence, glued_share, median,
+from swiftwrite.base.metrics import (capitalised_share, distinct, distinct_n, distinct_per_window, first_divergence, glued_share, median,
                                 speedup)
 
 
@@ -86,7 +86,7 @@ def _brute_longest_repeat(t):
 def test_longest_repeat_matches_brute_force_on_random_texts():
     import random
 
-    from swiftwrite.metrics import longest_repeat
+    from swiftwrite.base.metrics import longest_repeat
 
     for seed in range(200):
         r = random.Random(seed)
@@ -95,7 +95,7 @@ def test_longest_repeat_matches_brute_force_on_random_texts():
 
 
 def test_longest_repeat_of_a_loop_is_all_but_one_period():
-    from swiftwrite.metrics import longest_repeat
+    from swiftwrite.base.metrics import longest_repeat
 
     period = list(range(1000, 2025))  # the 1,025-token cycle of the old 100K run
     assert longest_repeat(list(range(50)) + period * 4) == 3 * len(period)
@@ -105,7 +105,7 @@ def test_longest_repeat_of_a_loop_is_all_but_one_period():
 def test_the_loop_alarm_sees_a_1025_token_cycle_within_two_periods_and_not_an_ordinary_text():
     import random
 
-    from swiftwrite.repetition import LoopWatch
+    from swiftwrite.decoding.repetition import LoopWatch
 
     period = random.Random(3).choices(range(49_000), k=1025)
     watch = LoopWatch(random.Random(4).choices(range(49_000), k=3000))
@@ -127,7 +127,7 @@ def test_the_loop_alarm_sees_a_1025_token_cycle_within_two_periods_and_not_an_or
 def test_the_loop_alarm_is_the_same_grown_or_rebuilt():
     import random
 
-    from swiftwrite.repetition import LoopWatch
+    from swiftwrite.decoding.repetition import LoopWatch
 
     r = random.Random(9)
     text = r.choices(range(30), k=500) + list(range(100, 140)) * 5
@@ -138,7 +138,7 @@ def test_the_loop_alarm_is_the_same_grown_or_rebuilt():
 
 
 def test_lookup_hits_counts_tokens_that_repeat_what_followed_their_context_last_time():
-    from swiftwrite.metrics import lookup_hits
+    from swiftwrite.base.metrics import lookup_hits
 
     prompt = [1, 2, 3, 9, 1, 2, 4]  # after "1 2": 3, then 4 (the most recent)
     assert lookup_hits(prompt, [1, 2, 4], 2) == pytest.approx(1 / 3)  # 1 and 2 had no context match; 4 did
@@ -149,7 +149,7 @@ def test_lookup_hits_counts_tokens_that_repeat_what_followed_their_context_last_
 
 
 def test_restated_share_is_the_share_of_the_text_ngrams_found_in_the_source():
-    from swiftwrite.metrics import restated_share
+    from swiftwrite.base.metrics import restated_share
 
     source = [1, 2, 3, 4, 5]
     assert restated_share(source, [2, 3, 4, 5], 4) == 1.0

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from swiftwrite.budget import SIZES, CostCurve
-from swiftwrite.model import linear, load_lean
-from swiftwrite.ops import row_plan, row_times
+from swiftwrite.decoding.budget import SIZES, CostCurve
+from swiftwrite.models.model import linear, load_lean
+from swiftwrite.tensors.ops import row_plan, row_times
 from tiny import tiny_hf_model
 
 ATOL = RTOL = 1e-4  # float32 through 2 layers of width 64: observed differences are ~3e-6

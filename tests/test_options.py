@@ -1,4 +1,4 @@
-"""Every option of a run is declared once, in swiftwrite/options.py: these tests fail when Config, the `generate`
+"""Every option of a run is declared once, in swiftwrite/base/options.py: these tests fail when Config, the `generate`
 command or the README's options table drift from that table."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from swiftwrite import cli, options
-from swiftwrite import config as config_mod
-from swiftwrite.config import Config, flag
-from swiftwrite.options import BY_NAME, OPTIONS
+from swiftwrite import cli
+from swiftwrite.base import options
+from swiftwrite.base import config as config_mod
+from swiftwrite.base.config import Config, flag
+from swiftwrite.base.options import BY_NAME, OPTIONS
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 # Config fields that are no option of `generate` (set by code, never by a user): none yet
@@ -166,7 +167,7 @@ def heavy_stub(seen: dict) -> SimpleNamespace:
 
 
 def test_train_heads_passes_the_tables_defaults_and_types_lr_as_a_number(monkeypatch):
-    from swiftwrite import train_heads  # torch: only this test needs the real signature
+    from swiftwrite.training import train_heads  # torch: only this test needs the real signature
 
     seen = {}
     monkeypatch.setattr(cli, "heavy", lambda: heavy_stub(seen))

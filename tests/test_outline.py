@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swiftwrite import outline as ol
-from swiftwrite.edits import continued_plan
-from swiftwrite.engine import Engine, make_sources
-from swiftwrite.errors import UsageError
-from swiftwrite.model import load_lean
-from swiftwrite.sampling import Sampler, SamplerSettings
-from swiftwrite.window import Window
+from swiftwrite.run import outline as ol
+from swiftwrite.run.edits import continued_plan
+from swiftwrite.decoding.engine import Engine, make_sources
+from swiftwrite.base.errors import UsageError
+from swiftwrite.models.model import load_lean
+from swiftwrite.decoding.sampling import Sampler, SamplerSettings
+from swiftwrite.decoding.window import Window
 from tiny import sharpened_tiny_model
 
 # ---------------------------------------------------------------------------------------------------------
@@ -302,7 +302,7 @@ def test_without_an_outline_the_engine_is_unchanged(model):
 def test_the_panel_and_the_progress_line_show_the_section(capsys):
     from rich.console import Console
 
-    from swiftwrite.ui import Display, Progress
+    from swiftwrite.io.ui import Display, Progress
 
     p = Progress(500, 2000, 10.0, 500, 450, section=(2, 5, "The bottle", 130, 400))
     d = Display("live")

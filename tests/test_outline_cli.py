@@ -14,7 +14,7 @@ import signal
 
 import pytest
 
-from swiftwrite import outline as ol
+from swiftwrite.run import outline as ol
 import killsweep
 from gates import Holds
 from test_cli import Background, clean_env, read_tokens, state_tokens, sw, text_of
@@ -118,7 +118,7 @@ def test_the_context_was_rebuilt_several_times(refs, work):
     run = refs["greedy", "all"][0]
     prompt = len(json.loads((run / "meta.json").read_text())["prompt_ids"])
     plan, _ = sections_of(run)
-    from swiftwrite.window import Window
+    from swiftwrite.decoding.window import Window
 
     win = Window(CONTEXT, prompt + plan.pin_max)
     rebuilds = len({win.span(prompt + i)[0] for i in range(TOKENS)}) - 1

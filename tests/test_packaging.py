@@ -27,7 +27,7 @@ def test_the_wheel_ships_the_templates_and_an_installed_copy_finds_them(tmp_path
     for template in ("novel", "report", "structured", "revise"):
         assert f"swiftwrite/templates/{template}.txt" in names
     assert any(n.startswith("swiftwrite/heads/") and n.endswith(".safetensors") for n in names)
-    assert "swiftwrite/models.yaml" in names
+    assert "swiftwrite/models/models.yaml" in names
     assert "swiftwrite/kernels/tree_attention.py" in names and not any(n.startswith("kernels/") for n in names)
 
     site = tmp_path / "site"
@@ -35,7 +35,7 @@ def test_the_wheel_ships_the_templates_and_an_installed_copy_finds_them(tmp_path
         zf.extractall(site)
     # -I: no PYTHONPATH, no current directory on the path; the unpacked copy goes first, ahead of this
     # environment's own (editable) swiftwrite, and the probe checks which one it imported
-    probe = (f"import sys; sys.path.insert(0, {str(site)!r}); import swiftwrite, swiftwrite.prompt as p; "
+    probe = (f"import sys; sys.path.insert(0, {str(site)!r}); import swiftwrite, swiftwrite.io.prompt as p; "
              "import swiftwrite.kernels.tree_attention as k; assert k.__file__.startswith(swiftwrite.__path__[0]); "
              "print(swiftwrite.__file__); print(p.apply_template('THE BRIEF', 'novel')); "
              "print(p.apply_template('THE BRIEF', 'report'))")

@@ -1,4 +1,4 @@
-"""Tensor parallelism (swiftwrite/parallel.py) over gloo on this CPU, 2 ranks, on the tiny sharpened qwen3 model
+"""Tensor parallelism (swiftwrite/models/parallel.py) over gloo on this CPU, 2 ranks, on the tiny sharpened qwen3 model
 (4 query heads, 2 KV heads, 96 MLP columns: each divides by 2): speculative output equals plain decoding under the
 same two ranks, greedy and seeded sampling with the penalty, 1,000 tokens across context rebuilds; the split is
 refused with a sentence where the model does not divide; and the sharded forward against one process."""
@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from swiftwrite.errors import UserError
-from swiftwrite.model import LeanModel, ModelConfig, load_lean, read_hf_config
-from swiftwrite.weightfiles import load_safetensors_dir
-from swiftwrite.parallel import check_divides, shard
+from swiftwrite.base.errors import UserError
+from swiftwrite.models.model import LeanModel, ModelConfig, load_lean, read_hf_config
+from swiftwrite.tensors.weightfiles import load_safetensors_dir
+from swiftwrite.models.parallel import check_divides, shard
 from tiny_lossless import SETTINGS, tiny_model
 from tp_worker import run, worker
 

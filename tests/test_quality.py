@@ -16,9 +16,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from swiftwrite.metrics import distinct, longest_repeat
-from swiftwrite.repetition import LOOP_WARN, LoopWatch
-from swiftwrite.ui import eta
+from swiftwrite.base.metrics import distinct, longest_repeat
+from swiftwrite.decoding.repetition import LOOP_WARN, LoopWatch
+from swiftwrite.io.ui import eta
 from test_cli import read_tokens, state_tokens, sw, text_of
 from test_kill_sweep import load_sweep
 
@@ -76,7 +76,7 @@ def test_a_loop_is_reported_once_even_with_quiet_at_the_token_it_reached_loop_wa
 
 
 def test_progress_shows_a_loop_as_a_low_distinct_1_over_the_last_500_tokens(looped):
-    from swiftwrite.metrics import distinct_n
+    from swiftwrite.base.metrics import distinct_n
 
     d, _, _ = looped
     toks = read_tokens(d)
@@ -117,7 +117,7 @@ def test_the_time_estimate_is_tokens_left_over_the_recent_rate():
 
 
 def test_bench_shows_a_loop_beside_the_speed_it_buys(tmp_path):
-    from swiftwrite import bench
+    from swiftwrite.run import bench
 
     healthy = list(range(1000))
     looped = list(range(300)) + ([7, 8, 9] * 234)[:700]  # healthy for 300 tokens, then a 3-token cycle

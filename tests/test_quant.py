@@ -1,4 +1,4 @@
-"""Quantized weights (--weights int8 / int4, swiftwrite/quant.py): the kernels' rows do not depend on how many rows
+"""Quantized weights (--weights int8 / int4, swiftwrite/tensors/quant.py): the kernels' rows do not depend on how many rows
 run together, a tree's rows equal single steps bit for bit, speculative output equals plain decoding with the same
 weights (every draft source, greedy and sampled, across context rebuilds), logits stay near the float model's,
 the packed weights are stored once and read back without a float copy, and a shape the kernel cannot pack is
@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from swiftwrite import exact, quant
-from swiftwrite.engine import Engine, make_sources
-from swiftwrite.errors import UserError
-from swiftwrite.heads import HeadsDrafter
-from swiftwrite.model import ModelConfig, load_lean, read_hf_config
-from swiftwrite.sampling import Sampler
-from swiftwrite.train_heads import fit
-from swiftwrite.window import Window
+from swiftwrite.tensors import exact, quant
+from swiftwrite.decoding.engine import Engine, make_sources
+from swiftwrite.base.errors import UserError
+from swiftwrite.decoding.heads import HeadsDrafter
+from swiftwrite.models.model import ModelConfig, load_lean, read_hf_config
+from swiftwrite.decoding.sampling import Sampler
+from swiftwrite.training.train_heads import fit
+from swiftwrite.decoding.window import Window
 from tiny import sharpened_tiny_model
 from tiny_lossless import CONTEXT, DRAFTS, SETTINGS, VOCAB, generate, prompt, tiny_model
 
@@ -246,7 +246,7 @@ def test_a_quantized_run_records_its_weights_and_resume_keeps_them(default_model
 
     import yaml
 
-    from swiftwrite.config import Config
+    from swiftwrite.base.config import Config
 
     prompt_file = tmp_path / "p.txt"
     prompt_file.write_text("Write a short story about a lighthouse keeper who finds a message in a bottle.")
@@ -287,8 +287,8 @@ def test_a_file_of_an_older_format_is_replaced_and_removed(tiny):
 
 def test_speculation_is_switched_off_with_a_sentence_where_the_kernels_rows_depend_on_the_row_count(quantized,
                                                                                                    monkeypatch):
-    from swiftwrite import assembly
-    from swiftwrite.config import Config
+    from swiftwrite.run import assembly
+    from swiftwrite.base.config import Config
 
     model = quantized["int8"]
     lm = assembly.Loaded(None, None, model.cfg, "cpu", torch.float32, model=model, weights="int8")
@@ -320,15 +320,15 @@ def test_speculation_is_switched_off_with_a_sentence_where_the_kernels_rows_depe
     ("F16", None), ("BF16", None), ("F32", None), ("", None), (None, None),
 ])
 def test_a_gguf_type_reads_as_the_closest_setting_at_or_above_its_bits(gguf_type, want):
-    from swiftwrite.devices import gguf_setting
+    from swiftwrite.run.devices import gguf_setting
 
     assert gguf_setting(gguf_type) == want
 
 
 def test_the_quantized_option_is_offered_only_where_it_runs_and_auto_stays_float(tmp_path):
-    from swiftwrite.config import Config
-    from swiftwrite.devices import pick_weights, quantized_option
-    from swiftwrite.model import ModelConfig, read_hf_config
+    from swiftwrite.base.config import Config
+    from swiftwrite.run.devices import pick_weights, quantized_option
+    from swiftwrite.models.model import ModelConfig, read_hf_config
     from tiny import tiny_hf_model
 
     path, _ = tiny_hf_model("llama", out_dir=tmp_path / "m")
@@ -344,7 +344,7 @@ def test_the_quantized_option_is_offered_only_where_it_runs_and_auto_stays_float
 def test_a_store_model_knows_the_gguf_type_it_came_from(tmp_path):
     import json
 
-    from swiftwrite.store import META_FILE, source_weights
+    from swiftwrite.models.store import META_FILE, source_weights
 
     new, old, plain = tmp_path / "new", tmp_path / "old", tmp_path / "plain"
     for d in (new, old, plain):
@@ -364,7 +364,7 @@ def test_the_type_of_a_gguf_is_read_from_its_tensor_table(tmp_path):
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
-    from swiftwrite.store import gguf_weight_type
+    from swiftwrite.models.store import gguf_weight_type
 
     path = tmp_path / "t.gguf"
     w = GGUFWriter(str(path), "llama")

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from swiftwrite.repetition import Dry, DrySettings, Repeats, dry_reference
-from swiftwrite.sampling import Sampler, SamplerSettings, parent_of
-from swiftwrite.tree import DraftTree
+from swiftwrite.decoding.repetition import Dry, DrySettings, Repeats, dry_reference
+from swiftwrite.decoding.sampling import Sampler, SamplerSettings, parent_of
+from swiftwrite.decoding.tree import DraftTree
 from test_sampling import node_text
 
 

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from swiftwrite import rounds
-from swiftwrite.durable import pack_ids, sha256
-from swiftwrite.engine import Engine, make_sources
-from swiftwrite.errors import UserError
-from swiftwrite.model import load_lean
-from swiftwrite.rundir import RunDir
-from swiftwrite.sampling import Sampler
-from swiftwrite.window import Window
-from swiftwrite.edits import check_not_edited, rebuilt_text
-from swiftwrite.writer import resume
+from swiftwrite.io import rounds
+from swiftwrite.base.durable import pack_ids, sha256
+from swiftwrite.decoding.engine import Engine, make_sources
+from swiftwrite.base.errors import UserError
+from swiftwrite.models.model import load_lean
+from swiftwrite.io.rundir import RunDir
+from swiftwrite.decoding.sampling import Sampler
+from swiftwrite.decoding.window import Window
+from swiftwrite.run.edits import check_not_edited, rebuilt_text
+from swiftwrite.run.writer import resume
 from tiny_lossless import CONTEXT, DRAFTS, SETTINGS, VOCAB, prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -11,8 +11,8 @@ import textwrap
 import pytest
 
 from gates import Holds
-from swiftwrite.errors import UserError
-from swiftwrite.rundir import RunDir, staging_dirs
+from swiftwrite.base.errors import UserError
+from swiftwrite.io.rundir import RunDir, staging_dirs
 
 CONFIG = {"model": "smollm2-135m", "max_tokens": 100, "sampling": {"temperature": 0.0}}
 
@@ -253,7 +253,7 @@ def test_a_staging_directory_left_by_a_killed_create_is_swept_and_the_path_stays
     run = tmp_path / "run"
     child = spawn(f"""
         import sys
-        from swiftwrite import rundir
+        from swiftwrite.io import rundir
         real = rundir.atomic_write
         def slow(path, data, pause=0.0):
             real(path, data)
@@ -294,7 +294,7 @@ def test_an_open_in_another_process_is_refused_until_the_holder_is_killed(tmp_pa
     make(tmp_path).close()
     holder = spawn(f"""
         import sys
-        from swiftwrite.rundir import RunDir
+        from swiftwrite.io.rundir import RunDir
         rd = RunDir.open({str(tmp_path)!r})
         print("ready", flush=True)
         sys.stdin.read()  # held here until the test kills it
@@ -336,8 +336,8 @@ def test_a_checkpoint_past_the_file_size_limit_raises_and_the_previous_checkpoin
     make(tmp_path).close()
     child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import resource, signal, sys
-        from swiftwrite.errors import UserError
-        from swiftwrite.rundir import RunDir
+        from swiftwrite.base.errors import UserError
+        from swiftwrite.io.rundir import RunDir
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
         rd = RunDir.open({str(tmp_path)!r})
@@ -360,7 +360,7 @@ def test_a_process_killed_inside_the_checkpoint_window_leaves_the_previous_check
     make(tmp_path, drafter=old_drafter).close()
     with Holds(tmp_path.parent / f"{tmp_path.name}.holds") as holds:  # the checkpoint waits in its window (gates.py)
         child = spawn(f"""
-            from swiftwrite.rundir import RunDir
+            from swiftwrite.io.rundir import RunDir
             rd = RunDir.open({str(tmp_path)!r})
             rd.append([4, 5], "<4><5>")
             print("ready", flush=True)

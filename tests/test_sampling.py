@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from swiftwrite.engine import Engine
-from swiftwrite.model import load_lean
-from swiftwrite import sampling
-from swiftwrite.sampling import Sampler, SamplerSettings
-from swiftwrite.tree import DraftTree
-from swiftwrite.window import Window
+from swiftwrite.decoding.engine import Engine
+from swiftwrite.models.model import load_lean
+from swiftwrite.decoding import sampling
+from swiftwrite.decoding.sampling import Sampler, SamplerSettings
+from swiftwrite.decoding.tree import DraftTree
+from swiftwrite.decoding.window import Window
 from tiny import tiny_hf_model
 
 

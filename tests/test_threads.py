@@ -1,4 +1,4 @@
-"""Threads under load (swiftwrite/threads.py): the governor leaves other processes the cores they use and takes
+"""Threads under load (swiftwrite/models/threads.py): the governor leaves other processes the cores they use and takes
 them back when they stop, never switches on one burst, never uses a thread count whose bits differ from the
 starting count's, and the text written while it switches is plain decoding's, token for token, on the default
 model with every draft source on."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swiftwrite import threads
-from swiftwrite.model import load_lean
+from swiftwrite.models import threads
+from swiftwrite.models.model import load_lean
 from tiny import tiny_hf_model
 
 
@@ -112,8 +112,8 @@ def test_text_written_while_threads_follow_the_load_is_plain_decodings(default_m
     """The default model, --draft all and --draft none (greedy with the default penalty, DRY and suppression),
     the governor driven through a load that comes and goes every few steps so the count changes many times; the
     plain run keeps its two threads. Both write the same tokens."""
-    from swiftwrite import writer
-    from swiftwrite.config import Config
+    from swiftwrite.run import writer
+    from swiftwrite.base.config import Config
 
     torch.set_num_threads(2)
     made = []

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from swiftwrite.budget import MAX_BUDGET, SIZES, CostCurve, best_budget
-from swiftwrite.drafting import AcceptanceStats
-from swiftwrite.errors import UserError
-from swiftwrite.ngram import N, TOP, NgramDrafter
-from swiftwrite.recycling import K, STATIC_TREE, RecyclingDrafter
-from swiftwrite.tree import DraftTree, walk
-from swiftwrite.window import MIN_FREE, Window
+from swiftwrite.decoding.budget import MAX_BUDGET, SIZES, CostCurve, best_budget
+from swiftwrite.decoding.drafting import AcceptanceStats
+from swiftwrite.base.errors import UserError
+from swiftwrite.decoding.ngram import N, TOP, NgramDrafter
+from swiftwrite.decoding.recycling import K, STATIC_TREE, RecyclingDrafter
+from swiftwrite.decoding.tree import DraftTree, walk
+from swiftwrite.decoding.window import MIN_FREE, Window
 
 # ---------------------------------------------------------------------------------------------------------
 # DraftTree
@@ -336,7 +336,7 @@ def test_the_engines_own_time_around_a_tree_can_make_resting_pay():
 
 def test_an_inconsistent_cost_curve_is_remeasured_and_never_cached(tmp_path, monkeypatch):
     """A forward that got slower with fewer tokens means another process had the CPU: not a curve to keep."""
-    from swiftwrite import budget
+    from swiftwrite.decoding import budget
 
     busy = [[1913.0, 2655.0, 2656.0, 2664.0, 2580.0, 71.6, 115.1]] * 3  # measured on 2026-11-29 under load
     quiet = [19.2, 25.4, 26.3, 39.1, 50.5, 73.2, 116.1]

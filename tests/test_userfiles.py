@@ -1,4 +1,4 @@
-"""The one reader of the user's files (swiftwrite/userfiles.py): every kind of file a user names is refused in one
+"""The one reader of the user's files (swiftwrite/base/userfiles.py): every kind of file a user names is refused in one
 sentence of its own kind's exception that names the file and says what to give instead, and a good file's text
 comes back exactly as written."""
 
@@ -8,13 +8,13 @@ import errno
 
 import pytest
 
-from swiftwrite import userfiles
-from swiftwrite.bans import BAN_FILE, PhraseError
-from swiftwrite.config import YAML_FILE
-from swiftwrite.edits import EDITED
-from swiftwrite.errors import UsageError, UserError
-from swiftwrite.outline import OUTLINE_FILE
-from swiftwrite.prompt import PROMPT, SOURCE
+from swiftwrite.base import userfiles
+from swiftwrite.decoding.bans import BAN_FILE, PhraseError
+from swiftwrite.base.config import YAML_FILE
+from swiftwrite.run.edits import EDITED
+from swiftwrite.base.errors import UsageError, UserError
+from swiftwrite.run.outline import OUTLINE_FILE
+from swiftwrite.io.prompt import PROMPT, SOURCE
 
 KINDS = {"prompt": PROMPT, "source": SOURCE, "outline": OUTLINE_FILE, "config": YAML_FILE, "edited": EDITED,
          "ban-file": BAN_FILE}

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from gguf_tiny import write_gguf
-from swiftwrite import quant, store, weightfiles
-from swiftwrite.errors import UserError
-from swiftwrite.model import ModelConfig, load_lean
+from swiftwrite.tensors import quant, weightfiles
+from swiftwrite.models import store
+from swiftwrite.base.errors import UserError
+from swiftwrite.models.model import ModelConfig, load_lean
 
 
 @pytest.fixture
@@ -151,9 +152,9 @@ def test_the_default_model_reads_as_transformers_reads_it(default_model_dir):
 def test_auto_runs_a_gguf_on_its_own_bits_when_its_float_weights_do_not_fit(tmp_path, home, monkeypatch):
     """An 8B Q4 GGUF on a 24 GB machine: float32 cannot load, so `--weights auto` takes the GGUF's own bits and
     says why; with room for float32 it stays float (README "Quantized weights"), naming the faster setting."""
-    from swiftwrite import assembly
-    from swiftwrite.config import Config
-    from swiftwrite.ui import Display
+    from swiftwrite.run import assembly
+    from swiftwrite.base.config import Config
+    from swiftwrite.io.ui import Display
 
     gguf = write_gguf(tmp_path / "m.gguf")
     assert store.gguf_weight_type(gguf) == "Q4_0"

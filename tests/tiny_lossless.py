@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from swiftwrite.engine import Engine, make_sources
-from swiftwrite.sampling import Sampler, SamplerSettings
-from swiftwrite.window import Window
+from swiftwrite.decoding.engine import Engine, make_sources
+from swiftwrite.decoding.sampling import Sampler, SamplerSettings
+from swiftwrite.decoding.window import Window
 from tiny import sharpened_tiny_model
 
 VOCAB = 128

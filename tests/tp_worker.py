@@ -8,7 +8,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from swiftwrite.parallel import Leader, follow, load_sharded
+from swiftwrite.models.parallel import Leader, follow, load_sharded
 from tiny_lossless import SETTINGS, generate
 
 
@@ -44,8 +44,9 @@ def plan_worker(rank: int, world: int, port: int, model_dir: str, out_file: str,
     from pathlib import Path
     from types import SimpleNamespace
 
-    from swiftwrite import parallel, ranks
-    from swiftwrite.errors import UserError
+    from swiftwrite.models import parallel
+    from swiftwrite.run import ranks
+    from swiftwrite.base.errors import UserError
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)

@@ -1,0 +1,200 @@
+"""Banned phrases: the written text never contains one, by going back and choosing again.
+
+The rule, on plain decoding. Tokens are appended one at a time; when the text written so far (the prompt
+excluded) would complete a banned phrase, decoding goes back to the token where that phrase began (position s),
+forgets every token from s on, and decides position s again with that token's logit removed, exactly as if it
+had never been a candidate there. The exclusions of position s last while the text before s stands: going back
+further forgets them. After MAX_RETRIES exclusions at one position the match starting there is let through (the
+writer says so in one sentence) and the text keeps that continuation.
+
+Matching. Every token is a byte string; the text is matched byte by byte with an Aho-Corasick automaton over the
+phrases' variants, ASCII letters folded to lower case. A phrase is stripped of surrounding white space and matches
+wherever its letters occur: after a space or not, inside a word or not, in any case for ASCII letters (other
+letters: as written, lower, upper, capitalised or title case). The automaton's state after each position is kept,
+so a new token costs its bytes, and going back costs nothing but a truncation.
+
+Exact under drafting. The token at position p depends only on the text before p, p's seed and p's exclusions, so
+a draft tree applies the exclusions of the root's position to the root's row (deeper positions have none: they
+exist only at or before the current length) and the engine feeds the accepted tokens to the automaton one by one,
+going back at the first completed phrase exactly where plain decoding does, discarding the rest of the step.
+
+What may be shown. A token can still be taken back while a phrase that began at or before it may complete; the
+engine hands out a token only once the automaton has passed a position where no phrase is under way (its root
+state), at or after it: no later going back reaches before such a position (the state at any position after it
+can only start phrases after it). Those tokens are final: written, checkpointed, never taken back. A resumed run
+starts at such a position with no exclusions past it, as the uninterrupted run had, so it writes the same text.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from ..base.errors import UserError
+from ..base.userfiles import NOT_UTF8, Kind, read_text
+
+MAX_RETRIES = 8  # exclusions at one position before a match that starts there is let through
+
+
+class PhraseError(UserError):
+    """A phrase that can never be written (empty, only white space, longer than the context), or a ban file that
+    cannot be read; the message is one sentence."""
+
+
+# a NUL byte gets the sentence of bytes that are no UTF-8: either way the file holds no phrases of text
+BAN_FILE = Kind("--ban-file", "give a text file with one phrase per line", PhraseError, binary=NOT_UTF8)
+
+
+def variants(phrase: str) -> list[bytes]:
+    """The byte strings a phrase is matched as (ASCII-lower-cased, as the automaton folds its input)."""
+    p = phrase.strip()
+    forms = {p, p.lower(), p.upper(), p.capitalize(), p.title()}
+    return sorted({f.encode("utf-8").lower() for f in forms})
+
+
+def check_phrases(phrases, where: str = "--ban") -> tuple[str, ...]:
+    """The phrases stripped of surrounding white space, in order, without repeats; PhraseError for an empty one."""
+    out: list[str] = []
+    for p in phrases:
+        if not p.strip():
+            raise PhraseError(f"{where} got an empty phrase ({p!r}); every banned phrase needs a visible character.")
+        if p.strip() not in out:
+            out.append(p.strip())
+    return tuple(out)
+
+
+def read_ban_file(path: str) -> list[str]:
+    """One phrase per line, blank lines skipped. PhraseError (one sentence) for a missing, unreadable or binary file."""
+    return [line for line in read_text(path, BAN_FILE).splitlines() if line.strip()]
+
+
+class Automaton:
+    """Aho-Corasick over bytes: `goto[state, byte]` the next state, `out[state]` the lengths of the patterns that end
+    there (longest first), state 0 the root."""
+
+    def __init__(self, patterns: list[bytes]):
+        children: list[dict[int, int]] = [{}]
+        ends: list[set[int]] = [set()]
+        for p in patterns:
+            s = 0
+            for b in p:
+                if b not in children[s]:
+                    children.append({})
+                    ends.append(set())
+                    children[s][b] = len(children) - 1
+                s = children[s][b]
+            ends[s].add(len(p))
+        n = len(children)
+        goto = np.zeros((n, 256), dtype=np.int32)
+        fail = [0] * n
+        order = []
+        for b, c in children[0].items():
+            goto[0, b] = c
+            order.append(c)
+        for s in order:  # breadth first: a state's fail state is done before its children
+            goto[s] = goto[fail[s]]
+            ends[s] |= ends[fail[s]]
+            for b, c in children[s].items():
+                fail[c] = int(goto[fail[s], b])
+                goto[s, b] = c
+                order.append(c)
+        self.goto = goto.tolist()  # plain lists: a few bytes per token, stepped one at a time
+        self.out = [sorted(e, reverse=True) for e in ends]
+        self.longest = max((len(p) for p in patterns), default=0)
+
+
+class Bans:
+    """The banned-phrase state of one engine: the automaton's state after every position since `floor`, the bytes
+    written since then, and the exclusions per position. A pure function of the token history from `floor` and of
+    the going-back it caused, so a resumed run recomputes it.
+
+    token_bytes: each vocabulary id's bytes (special tokens: b"")."""
+
+    def __init__(self, phrases: tuple[str, ...], token_bytes: list[bytes]):
+        self.phrases = phrases
+        self.auto = Automaton([v for p in phrases for v in variants(p)])
+        self.lower = [t.lower() for t in token_bytes]
+        self.backtracks = 0  # times decoding went back (this process)
+        self.let_through = 0  # matches kept after MAX_RETRIES exclusions at their start
+        self.reset(0)
+
+    def reset(self, floor: int) -> None:
+        """Start matching at position `floor` (the first token after the prompt, or after a resumed history)."""
+        self.floor = floor
+        self.state = [0]  # state[i]: after the tokens floor .. floor + i - 1
+        self.nbytes = [0]  # bytes of those tokens
+        self.excl: dict[int, set[int]] = {}
+        self.final = floor  # tokens before it are final
+
+    def excluded(self, pos: int) -> list[int]:
+        e = self.excl.get(pos)
+        return sorted(e) if e else []
+
+    def push(self, pos: int, token: int) -> int | None:
+        """Append `token` at position `pos` (the next one). Returns the position to go back to when it completes a
+        banned phrase that may still be refused there, else None."""
+        assert pos == self.floor + len(self.state) - 1, (pos, self.floor, len(self.state))
+        goto, out = self.auto.goto, self.auto.out
+        s = self.state[-1]
+        before = self.nbytes[-1]
+        for k, b in enumerate(self.lower[token]):
+            s = goto[s][b]
+            for length in out[s]:
+                start = before + k + 1 - length  # byte where the match begins
+                at = self.floor + bisect.bisect_right(self.nbytes, start) - 1  # the token holding that byte
+                if len(self.excl.get(at, ())) < MAX_RETRIES:
+                    return at
+                self.let_through += 1
+        self.state.append(s)
+        self.nbytes.append(before + len(self.lower[token]))
+        return None
+
+    def back(self, s: int, token: int) -> None:
+        """Go back to position `s` and exclude `token` (the one the phrase began with) there."""
+        del self.state[s - self.floor + 1 :]
+        del self.nbytes[s - self.floor + 1 :]
+        for p in [p for p in self.excl if p > s]:
+            del self.excl[p]
+        self.excl.setdefault(s, set()).add(token)
+        self.backtracks += 1
+
+    def settle(self, n: int, everything: bool = False) -> int:
+        """The new final length for a history of `n` tokens: the last position at or before n where no phrase is
+        under way (or n itself when `everything`: the run ends there)."""
+        if everything:
+            self.final = n
+            return n
+        for p in range(n, self.final, -1):
+            if self.state[p - self.floor] == 0:
+                self.final = p
+                break
+        return self.final
+
+
+def token_bytes(tok, vocab: int) -> list[bytes]:
+    """Each id's bytes. Byte-level BPE (GPT-2, Llama 3, SmolLM) spells bytes as printable characters; other
+    tokenizers' ids are decoded one by one (a character split across two such tokens is then not matched)."""
+    n = min(vocab, len(tok))
+    special = set(getattr(tok, "all_special_ids", ()) or ())
+    pieces = tok.convert_ids_to_tokens(list(range(n)))
+    dec = {c: b for b, c in _byte_chars().items()}
+    if all(p is None or all(c in dec for c in p) for p in pieces):
+        out = [b"" if i in special or p is None else bytes(dec[c] for c in p) for i, p in enumerate(pieces)]
+    else:
+        texts = tok.batch_decode([[i] for i in range(n)])
+        out = [b"" if i in special else t.encode("utf-8") for i, t in enumerate(texts)]
+    return out + [b""] * (vocab - n)
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's bytes_to_unicode: byte -> the printable character byte-level BPE writes for it."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars

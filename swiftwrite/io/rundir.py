@@ -1,0 +1,472 @@
+"""The run directory: everything needed to continue an interrupted run, token for token.
+
+    config.yaml       resolved configuration             written once, at create
+    prompt.txt        the prompt as given                written once
+    meta.json         fingerprint, prompt ids, format    written once
+    outline.json      the section plan (--outline/--plan) written once; budgets, heading and pinned ids (a later
+                      round's own plan, rounds/<n>/outline.json, takes its place from that round on)
+    outline.md        the same outline as Markdown       written once, for people (and --outline again)
+    tokens.bin        generated ids, int32 little-endian appended as they come
+    output.txt        the decoded text, utf-8            appended as it comes
+    drafter-<sha>.bin opaque drafter state (optional)    one per checkpoint; the last two are kept
+    state.json        the last checkpoint                replaced atomically at checkpoints
+    state.prev.json   the checkpoint before it           fallback if state.json is unreadable
+    progress.jsonl    one line per checkpoint            speed, memory; for people and bench/, never read back
+    lock              flock + holder pid                 held for the RunDir's lifetime
+
+create() builds all of it in a hidden sibling directory and renames that into place, so a run directory
+appears whole or not at all: a kill during create leaves the path free for the same command again.
+The drafter file is named after its checksum rather than replaced in place, so a kill between writing it
+and writing state.json leaves the file the last checkpoint names (older runs wrote drafter.bin; still read).
+
+tokens.bin and output.txt are append-only and may run ahead of the checkpoint (a kill between two
+checkpoints). state.json records their committed length and sha256, so open() can cut them back to the
+last checkpoint, or refuse when they are shorter or different: resuming from damaged ids would silently
+give a different document.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import yaml
+
+from ..base.durable import alive, atomic_write, fsync_dir, json_bytes, lock, now, os_reason, pack_ids, sha256, unpack_ids
+from ..base.errors import UserError
+from . import rounds
+
+FORMAT = 2  # meta.json "format"; bump when the layout changes, keep reading older ones
+# Runs with an outline are written as format 2, so a swiftwrite that knows no outlines refuses them instead of
+# continuing without headings; runs without one stay format 1, readable by every version.
+CONFIG, PROMPT, META, OUTLINE, OUTLINE_MD = "config.yaml", "prompt.txt", "meta.json", "outline.json", "outline.md"
+TOKENS, TEXT, DRAFTER = "tokens.bin", "output.txt", "drafter.bin"  # DRAFTER: the name before format 1.1
+STATE, PREV, LOCK, PROGRESS = "state.json", "state.prev.json", "lock", "progress.jsonl"
+STAGING_PREFIX = ".swiftwrite-new-"  # + name + "." + pid: a run directory being created
+STATE_KEYS = {"n_tokens": int, "tokens_sha256": str, "text_bytes": int, "text_sha256": str,
+              "drafter_sha256": (str, type(None)), "stats": dict, "finished": bool, "checkpoints": int}
+
+
+class RunDir:
+    def __init__(self, path: Path, lock_fd: int):  # use create() or open()
+        self.path = path
+        self._lock_fd: int | None = lock_fd
+        self._tokens_fh = self._text_fh = None
+        self._failed: OSError | None = None  # a failed append leaves bytes the hashes do not cover
+        self._drafter: bytes | None = None
+        self.recovered: str | None = None  # what open() repaired, one sentence, for the user
+        self.warnings: list[str] = []  # problems that cost speed, never text
+        self.text_damaged = False  # output.txt must be rewritten with replace_text() before appending
+
+    # -----------------------------------------------------------------------------------------------------
+    # create / open
+
+    @staticmethod
+    def check_new(path) -> None:
+        """Refuse, creating nothing, a path create() would refuse: a file, a non-empty directory (an existing
+        run is never overwritten), or a place that cannot hold a new directory."""
+        p = Path(path)
+        if p.exists() and (not p.is_dir() or any(p.iterdir())):
+            raise UserError(f"{p} already exists and is not an empty directory; choose a new run directory "
+                            f"(or continue an earlier run with `swiftwrite resume {p}`).")
+        if p.is_dir():
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise UserError(f"the run directory {p} is not writable; choose another one.")
+            return
+        up = p.parent
+        while not up.exists() and up != up.parent:
+            up = up.parent
+        if not up.is_dir():
+            raise UserError(f"the run directory {p} cannot be created: {up} is a file, not a directory.")
+        if not os.access(up, os.W_OK | os.X_OK):
+            raise UserError(f"the run directory {p} cannot be created in {up} (permission denied); choose another place.")
+
+    @classmethod
+    def create(cls, path, config: dict, prompt_text: str, prompt_ids: list[int], fingerprint: str,
+               outline: dict | None = None, outline_md: str = "") -> RunDir:
+        p = Path(path)
+        cls.check_new(p)
+        # Serialize first, so a bad config fails before anything touches the disk.
+        files = {CONFIG: yaml.safe_dump(config, sort_keys=False).encode(), PROMPT: prompt_text.encode(),
+                 META: json_bytes({"format": 2 if outline else 1, "fingerprint": fingerprint,
+                              "prompt_ids": list(prompt_ids), "created": now()})}
+        if outline:
+            files[OUTLINE], files[OUTLINE_MD] = json_bytes(outline), outline_md.encode()
+        final = p.resolve()
+        stage = final.parent / f"{STAGING_PREFIX}{final.name}.{os.getpid()}"
+        self = None
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            _sweep_staging(final)
+            stage.mkdir()
+            self = cls(stage, lock(stage, LOCK))
+            self.config, self.prompt_text = config, prompt_text
+            self.prompt_ids, self.fingerprint = list(prompt_ids), fingerprint
+            self.outline = outline
+            self.tokens, self.finished, self.round = [], False, 1
+            self._tok_hash, self._text_hash, self._text_bytes = hashlib.sha256(), hashlib.sha256(), 0
+            self._state = self._new_state({}, None, False, count=0)
+            self._state_bytes = json_bytes(self._state)
+            for name in (TOKENS, TEXT):
+                (stage / name).write_bytes(b"")
+            for name in files:
+                atomic_write(stage / name, files[name])
+            atomic_write(stage / STATE, self._state_bytes)
+            # rename(2) replaces an empty directory too, atomically; a non-empty one (someone wrote into it since
+            # check_new) makes it fail, and nothing of theirs is touched. The flock moves with the inode.
+            os.rename(stage, final)
+            fsync_dir(final.parent)
+            self.path = p
+            self._open_appenders()
+        except BaseException as e:
+            if self is not None:
+                self.close()
+            shutil.rmtree(stage, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise UserError(f"could not create the run directory {p} ({os_reason(e)}); "
+                                "check the path and free space, then start again.") from e
+            raise
+        return self
+
+    @classmethod
+    def open(cls, path) -> RunDir:
+        p = Path(path)
+        if not p.exists():
+            raise UserError(f"run directory {p} does not exist; check the path, or start a new run.")
+        if not p.is_dir():
+            raise UserError(f"{p} is a file, not a run directory; pass the directory a run was written to.")
+        if not (p / META).is_file():  # checked before locking, so we never drop a lock file in a stranger's dir
+            raise UserError(f"{p} is not a swiftwrite run directory (it has no {META}); "
+                            "pass the directory a run was written to.")
+        try:
+            self = cls(p, lock(p, LOCK))
+        except OSError as e:
+            raise UserError(f"could not lock the run directory {p} ({os_reason(e)}); check its permissions.") from e
+        try:
+            self._load()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _load(self) -> None:
+        p = self.path
+        for f in p.glob("*.tmp"):  # temp files of a write that was killed before its rename
+            f.unlink(missing_ok=True)
+        try:  # a new round (rounds.py) committed but not yet switched to: finish the switch
+            at = _read_state(p / STATE)[0] or _read_state(p / PREV)[0] or {}
+            rounds.roll_forward(p, at.get("round", 1), STATE, PREV, TOKENS, TEXT)
+        except OSError as e:
+            raise UserError(f"could not finish starting the new round in {p} ({os_reason(e)}); free space and resume again.") from e
+        self._load_meta()
+        notes = self._load_state()
+        extra = self._load_tokens()
+        if self._load_text() or extra:
+            notes.append(f"recovered from the checkpoint at {len(self.tokens)} tokens"
+                         + (f" (dropped {extra // 4} tokens written after it)" if extra // 4 else ""))
+        self.recovered = "; ".join(notes) + "." if notes else None
+        want = self._state["drafter_sha256"]
+        self._load_drafter(want)
+        prev, _, _ = _read_state(p / PREV)
+        self._sweep_drafters(want, prev["drafter_sha256"] if prev else None)
+        self._open_appenders()
+
+    def _load_meta(self) -> None:
+        """What was written once, at create: meta.json, config.yaml, prompt.txt, outline.json."""
+        p = self.path
+        try:
+            meta = json.loads((p / META).read_text())
+            if meta.get("format", 1) > FORMAT:
+                raise UserError(f"{p} was written by a newer swiftwrite (format {meta['format']}); "
+                                "upgrade swiftwrite to resume it.")
+            self.fingerprint, self.prompt_ids = str(meta["fingerprint"]), [int(i) for i in meta["prompt_ids"]]
+            self.config = yaml.safe_load((p / CONFIG).read_text())
+            if not isinstance(self.config, dict):
+                raise ValueError(f"{CONFIG} is not a mapping")
+            self.prompt_text = (p / PROMPT).read_text(encoding="utf-8")
+            self.outline = json.loads((p / OUTLINE).read_text()) if meta.get("format", 1) >= 2 else None
+            if self.outline is not None and not isinstance(self.outline, dict):
+                raise ValueError(f"{OUTLINE} is not a JSON object")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError) as e:
+            raise UserError(f"the run metadata in {p} is unreadable ({e}); "
+                            "the run cannot be resumed, start a new one.") from e
+
+    def _load_state(self) -> list[str]:
+        """The last readable checkpoint (state.json, else state.prev.json), its round and that round's outline.
+        Returns the notes for `recovered`."""
+        p, notes = self.path, []
+        state, raw, why = _read_state(p / STATE)
+        if state is None:
+            state, raw, why_prev = _read_state(p / PREV)
+            if state is None:
+                raise UserError(f"the checkpoint in {p} is unreadable ({STATE}: {why}; {PREV}: {why_prev}); "
+                                "the run cannot be resumed, start a new one.")
+            notes.append(f"{STATE} was unreadable ({why}), so the run continues from {PREV}")
+        self._state, self._state_bytes, self.finished = state, raw, state["finished"]
+        self.round = state.get("round", 1) if isinstance(state.get("round"), int) else 1
+        if self.outline is not None:
+            try:
+                self.outline = rounds.outline(p, self.round) or self.outline  # a later round's sections start elsewhere
+            except (OSError, ValueError) as e:
+                raise UserError(f"the outline of round {self.round} in {p} is unreadable ({e}); "
+                                "the run cannot be resumed exactly, start a new one.") from e
+        return notes
+
+    def _load_tokens(self) -> int:
+        """The checkpoint's tokens. The document depends on every id, so anything but "longer than recorded" is
+        fatal; what runs past the checkpoint is cut off. Returns how many bytes were cut."""
+        p, state = self.path, self._state
+        n_bytes = state["n_tokens"] * 4
+        try:
+            data = (p / TOKENS).read_bytes()
+        except OSError as e:
+            data, why = None, os_reason(e)
+        else:
+            why = (f"{len(data) // 4} tokens on disk, {state['n_tokens']} recorded" if len(data) < n_bytes
+                   else None if sha256(data[:n_bytes]) == state["tokens_sha256"] else "checksum mismatch")
+        if why:
+            raise UserError(f"{p / TOKENS} is damaged ({why}); the run cannot be resumed exactly, "
+                            "start it again with the same prompt and settings.")
+        if len(data) > n_bytes:
+            os.truncate(p / TOKENS, n_bytes)
+        self._tok_hash = hashlib.sha256(data[:n_bytes])
+        self.tokens = unpack_ids(data[:n_bytes])
+        return len(data) - n_bytes
+
+    def _load_text(self) -> bool:
+        """The checkpoint's text. It is derived from the tokens, so damage here is repairable by the caller
+        (replace_text). Returns whether text past the checkpoint was cut off."""
+        p = self.path
+        self._text_bytes = self._state["text_bytes"]
+        try:
+            text = (p / TEXT).read_bytes()
+        except OSError:
+            text = b""
+        if len(text) < self._text_bytes or sha256(text[: self._text_bytes]) != self._state["text_sha256"]:
+            self.text_damaged = True
+            self.warnings.append(f"{TEXT} does not match the checkpoint; it must be rewritten from the tokens.")
+            return False
+        cut = len(text) > self._text_bytes
+        if cut:
+            os.truncate(p / TEXT, self._text_bytes)
+        self._text_hash = hashlib.sha256(text[: self._text_bytes])
+        return cut
+
+    def _load_drafter(self, want: str | None) -> None:
+        """The drafter state the checkpoint names. Only speed depends on it, so a bad one is a warning and a cold
+        start."""
+        if not want:
+            return
+        for name in (drafter_file(want), DRAFTER):
+            try:
+                blob = (self.path / name).read_bytes()
+            except OSError:
+                continue
+            if sha256(blob) == want:
+                self._drafter = blob
+                if name == DRAFTER:  # the old layout: give it the name the sweeps below keep
+                    try:
+                        os.replace(self.path / DRAFTER, self.path / drafter_file(want))
+                    except OSError:
+                        pass
+                break
+        if self._drafter is None:
+            self.warnings.append(f"the drafter state {drafter_file(want)} is missing or damaged; the drafter starts "
+                                 "cold (the text is unaffected, only the speed).")
+
+    def _open_appenders(self) -> None:
+        self._tokens_fh = open(self.path / TOKENS, "ab")
+        if not self.text_damaged:
+            self._text_fh = open(self.path / TEXT, "ab")
+
+    # -----------------------------------------------------------------------------------------------------
+    # writing
+
+    def append(self, new_ids: list[int], new_text: str) -> None:
+        if self._text_fh is None:
+            raise RuntimeError("output.txt is damaged: call replace_text() with the decoded tokens first")
+        raw, enc = pack_ids(new_ids), new_text.encode("utf-8")
+        try:
+            if self._failed:
+                raise self._failed
+            self._tokens_fh.write(raw)
+            self._tokens_fh.flush()  # flushed, not fsynced: a kill loses nothing, a power cut is checkpoint()'s job
+            self._text_fh.write(enc)
+            self._text_fh.flush()
+        except OSError as e:
+            self._failed = e
+            raise self._write_error(e) from e
+        self._tok_hash.update(raw)  # incremental, so a checkpoint never re-reads the files
+        self._text_hash.update(enc)
+        self._text_bytes += len(enc)
+        self.tokens.extend(map(int, new_ids))  # plain ints, even if given numpy or torch scalars
+
+    def replace_text(self, text: str) -> None:
+        """Rewrite output.txt (e.g. decoded from self.tokens after open() set text_damaged)."""
+        enc = text.encode("utf-8")
+        if self._text_fh:
+            self._text_fh.close()
+        try:
+            atomic_write(self.path / TEXT, enc)
+        except OSError as e:
+            raise self._write_error(e) from e
+        self._text_hash, self._text_bytes, self.text_damaged = hashlib.sha256(enc), len(enc), False
+        self._text_fh = open(self.path / TEXT, "ab")
+
+    def checkpoint(self, stats: dict, drafter_state: bytes | None = None, finished: bool = False) -> None:
+        if self._text_fh is None:
+            raise RuntimeError("output.txt is damaged: call replace_text() with the decoded tokens first")
+        dsha = sha256(drafter_state) if drafter_state is not None else None
+        state = self._new_state(stats, dsha, finished, count=self._state["checkpoints"] + 1)
+        data = json_bytes(state)  # before any write: stats that are not JSON fail here, with nothing touched
+        try:
+            if self._failed:
+                raise self._failed
+            for fh in (self._tokens_fh, self._text_fh):
+                fh.flush()
+                os.fsync(fh.fileno())
+            if drafter_state is not None and not (self.path / drafter_file(dsha)).exists():
+                atomic_write(self.path / drafter_file(dsha), bytes(drafter_state))
+            atomic_write(self.path / PREV, self._state_bytes)
+            pause = float(os.environ.get("SWIFTWRITE_SLOW_CHECKPOINT") or 0)  # tests: widen the kill window
+            atomic_write(self.path / STATE, data, pause)
+        except OSError as e:
+            raise self._write_error(e) from e
+        kept = self._state["drafter_sha256"]  # now state.prev.json's: its file stays for that fallback
+        self._state, self._state_bytes, self.finished = json.loads(data), data, finished
+        self._drafter = bytes(drafter_state) if drafter_state is not None else None
+        self._sweep_drafters(dsha, kept)
+
+    def _sweep_drafters(self, *keep: str | None) -> None:
+        names = {drafter_file(k) for k in keep if k}
+        for f in [*self.path.glob("drafter-*.bin"), self.path / DRAFTER]:
+            if f.name not in names:
+                try:
+                    f.unlink(missing_ok=True)
+                except OSError:
+                    pass  # a stale file costs disk space, never text
+
+    def begin_round(self, ids: list[int], edited: str, stats: dict, edit_at: int, outline: dict | None = None,
+                    outline_md: str = "") -> None:
+        """Continue from `edited` (tokenized as `ids`), with the round's outline plan if the run has one: commit
+        round n + 1 (rounds.py), then switch to it."""
+        n, enc = self.round + 1, edited.encode("utf-8")
+        state = {"n_tokens": len(ids), "tokens_sha256": sha256(pack_ids(ids)), "text_bytes": len(enc),
+                 "text_sha256": sha256(enc), "drafter_sha256": self._state["drafter_sha256"], "stats": stats,
+                 "finished": False, "checkpoints": self._state["checkpoints"] + 1, "time": now(), "round": n}
+        try:
+            for fh in (self._tokens_fh, self._text_fh):
+                fh.flush()
+            rounds.commit(self.path, n, before=self.tokens, before_text=(self.path / TEXT).read_bytes()[:self._text_bytes],
+                          edited=edited, ids=ids, state=state, edit_at=edit_at, outline=outline, outline_md=outline_md)
+        except OSError as e:
+            raise self._write_error(e) from e
+        for fh in (self._tokens_fh, self._text_fh):
+            fh.close()
+        self._tokens_fh = self._text_fh = None
+        self._load()  # rolls forward to round n
+
+    def log_progress(self, record: dict) -> None:
+        """One JSON line per checkpoint in progress.jsonl, for whoever watches a long run. Best effort: the
+        checkpoint just written is what matters, and a torn last line (a kill) is skipped by readers."""
+        try:
+            with open(self.path / PROGRESS, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        except OSError:
+            pass
+
+    def _new_state(self, stats: dict, drafter_sha: str | None, finished: bool, count: int) -> dict:
+        return {"n_tokens": len(self.tokens), "tokens_sha256": self._tok_hash.copy().hexdigest(),
+                "text_bytes": self._text_bytes, "text_sha256": self._text_hash.copy().hexdigest(),
+                "drafter_sha256": drafter_sha, "stats": stats, "finished": finished,
+                "checkpoints": count, "time": now(), **({"round": self.round} if self.round > 1 else {})}
+
+    def _write_error(self, e: OSError) -> UserError:
+        return UserError(f"could not write the checkpoint in {self.path} ({os_reason(e)}); free space and run "
+                         f"`swiftwrite resume {self.path}`: the last checkpoint at "
+                         f"{self._state['n_tokens']} tokens is intact.")
+
+    # -----------------------------------------------------------------------------------------------------
+    # reading, closing
+
+    def drafter_state(self) -> bytes | None:
+        return self._drafter
+
+    @property
+    def stats(self) -> dict:
+        return dict(self._state["stats"])
+
+    def close(self) -> None:
+        for fh in (self._tokens_fh, self._text_fh):
+            try:
+                if fh:
+                    fh.close()
+            except OSError:  # a buffer that could not be flushed (disk full); the checkpoint is what counts
+                pass
+        self._tokens_fh = self._text_fh = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the fd releases the flock
+            self._lock_fd = None
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def drafter_file(sha: str) -> str:
+    return f"drafter-{sha[:16]}.bin"
+
+
+def staging_dirs(path) -> list[Path]:
+    """Hidden siblings where a run directory at `path` is being (or was, if killed) created."""
+    final = Path(path).resolve()
+    return sorted(final.parent.glob(f"{STAGING_PREFIX}{final.name}.*"))
+
+
+def _sweep_staging(final: Path) -> None:
+    """Remove what killed create()s left: a staging directory whose lock nobody holds."""
+    for d in staging_dirs(final):
+        try:
+            fd = os.open(d / LOCK, os.O_RDWR)
+        except FileNotFoundError:
+            fd = None  # killed before it took the lock, or still about to: only remove it if its pid is gone
+            pid = d.name.rsplit(".", 1)[-1]
+            if pid.isdigit() and alive(int(pid)):
+                continue
+        except OSError:
+            continue
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # another process is creating this run right now
+            finally:
+                os.close(fd)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _read_state(path: Path) -> tuple[dict | None, bytes, str]:
+    """(state, its raw bytes, "") or (None, b"", why it is unusable)."""
+    try:
+        raw = path.read_bytes()
+        state = json.loads(raw)
+    except FileNotFoundError:
+        return None, b"", "missing"
+    except (OSError, ValueError) as e:
+        return None, b"", f"not JSON: {e}"
+    if not isinstance(state, dict):
+        return None, b"", "not a JSON object"
+    for key, kind in STATE_KEYS.items():
+        if not isinstance(state.get(key), kind) or (kind is int and state[key] < 0):
+            return None, b"", f"bad or missing {key!r}"
+    return state, raw, ""

@@ -1,0 +1,234 @@
+"""Which forward runs the model: our PyTorch forward (`torch`) or llama.cpp's ggml kernels (`ggml`, ggmlmodel.py).
+
+`--backend auto` (the default) is measured, not assumed: the first run of a model on a machine times a plain step
+of each candidate whose text is the model's own (the GGUF's bits in llama.cpp; its float weights in torch; torch's
+int8/int4 re-quantizations are another model's text and are not candidates), keeps the times in the store beside
+the cost curves (`backends.json`, keyed by model, threads and the CPU's vector extensions) and picks the faster.
+One line says what was chosen and why. Where llama.cpp's binding is missing or cannot load, auto runs the torch
+path with a one-line notice; an explicit `--backend ggml` is then an error that says how to install it.
+
+llama.cpp runs a GGUF on the CPU in one process: a model without a GGUF (safetensors), a GPU, tensor parallelism,
+torch's --weights int8/int4, a --dtype, or multi-token heads (they read a hidden state llama.cpp does not expose)
+keep `auto` on torch and make `--backend ggml` a sentence saying what to do.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from ..base import measurements
+from ..base.errors import UserError
+from ..base.paths import GGUF_FILE, fingerprint
+from . import ggmlmodel
+
+TIMED_STEPS = 24  # plain steps timed per candidate (after 8 of warm-up), once per model and machine
+ROWS = "/rows-v3"  # the key of check_rows' result (v3: prefill batches and steps_apart kept apart)
+FLASH_ATTN = 1  # llama.cpp's flash attention: the attention whose batches keep a single step's bits (check_rows)
+
+
+def cpu_extensions() -> list[str]:
+    """The CPU's vector extensions that matter to the kernels (for every figure and the stats JSON)."""
+    try:
+        flags = set()
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):
+                    flags.update(line.split(":", 1)[1].split())
+    except OSError:
+        return [platform.machine()]
+    names = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX-512-BF16", "avx512_vnni": "AVX-512-VNNI",
+             "amx_tile": "AMX", "asimd": "NEON", "sve": "SVE"}
+    return [label for flag, label in names.items() if flag in flags] or [platform.machine()]
+
+
+def gguf_path(model_dir: Path) -> Path | None:
+    p = Path(model_dir) / GGUF_FILE
+    return p if p.is_file() else None
+
+
+def why_not_ggml(cfg, model_dir: Path, device: str) -> str | None:
+    """Why this run cannot use llama.cpp, as a sentence that says what to do; None when it can."""
+    if gguf_path(model_dir) is None:
+        return (f"the ggml backend runs GGUF models, and {model_dir} holds no GGUF (safetensors only); "
+                "use --backend torch, or give a .gguf file as --model.")
+    if cfg.tp > 1:
+        return "the ggml backend runs in one process; drop --tp, or use --backend torch for tensor parallelism."
+    if device != "cpu":
+        return f"the ggml backend runs on the CPU here, and this run is on {device}; use --backend torch or --device cpu."
+    if cfg.weights in ("int8", "int4"):
+        return (f"--weights {cfg.weights} re-quantizes for the torch path; the ggml backend runs the GGUF's own "
+                "weights: drop --weights, or use --backend torch.")
+    if cfg.dtype not in ("auto", "float32"):
+        return (f"--dtype {cfg.dtype} applies to the torch path; the ggml backend computes in the GGUF's own types: "
+                "drop --dtype, or use --backend torch.")
+    if cfg.draft == "heads":
+        return ("multi-token heads read a hidden state llama.cpp does not expose; use --draft all (recycling and "
+                "n-gram) with the ggml backend, or --backend torch.")
+    try:
+        ggmlmodel.binding()
+    except ggmlmodel.BackendMissing as e:
+        return (f"the ggml backend needs llama-cpp-python, which does not load here ({e}); install it with "
+                "pip install 'swiftwrite[ggml]', or use --backend torch.")
+    return None
+
+
+def choose(cfg, model_dir: Path, device: str, say=lambda msg: None) -> str:
+    """`cfg.backend` resolved to torch or ggml before any weight is read (the timing of `auto` comes later, in
+    `measured`, once the checks of the input have passed). Raises UserError for an impossible explicit choice."""
+    if cfg.backend == "torch":
+        return "torch"
+    why = why_not_ggml(cfg, model_dir, device)
+    if cfg.backend == "ggml":
+        if why:
+            raise UserError(why)
+        return "ggml"
+    if why and "llama-cpp-python" in why and gguf_path(model_dir) is not None:
+        say("llama-cpp-python is not installed or does not load, so the model runs on the torch path "
+            "(pip install 'swiftwrite[ggml]' for llama.cpp's kernels).")
+    return "torch" if why else "auto"
+
+
+def load(name: str, model_dir: Path, threads: int, load_torch, load_ggml_model, say=lambda msg: None) -> tuple[str, object]:
+    """The chosen backend's model (`auto`: `measured`), and the name of the one that runs."""
+    if name == "torch":
+        return name, load_torch()
+    if name == "ggml":
+        return name, load_ggml_model()
+    return measured(model_dir, threads, load_torch, load_ggml_model, say)
+
+
+def runs_torch_weights(name: str) -> bool:
+    """Whether --weights (torch's float or re-quantized weights) applies: not on llama.cpp, which runs the GGUF's own
+    bits."""
+    return name != "ggml"
+
+
+def file_bytes(name: str, model_dir: Path) -> int:
+    """The bytes a backend that maps its model file (llama.cpp: the GGUF) will hold; 0 for the others."""
+    return gguf_path(model_dir).stat().st_size if name == "ggml" else 0
+
+
+def describe(name: str, device: str, dtype: str, weights: str) -> str:
+    """Where the model computes, for the KV cache's line."""
+    if name == "ggml":
+        return "llama.cpp, float16"
+    return f"{device}/{dtype}" + (f", {weights} weights" if weights != "float" else "")
+
+
+def curve_key(name: str, weights: str) -> str:
+    """What a cost curve depends on of the backend: llama.cpp's kernels are another curve; torch's quantized
+    products too."""
+    if name == "ggml":
+        return f"/{name}"
+    return f"/w-{weights}" if weights != "float" and name == "torch" else ""
+
+
+def load_ggml(model_dir: Path, mcfg, threads: int) -> "ggmlmodel.GgmlModel":
+    """The GGUF in llama.cpp, with the rows a decode may carry exactly (check_rows) measured once per machine."""
+    model = ggmlmodel.GgmlModel(gguf_path(model_dir), mcfg, threads=threads, flash_attn=FLASH_ATTN)
+    key = _key(model_dir, threads) + ROWS
+    rows = measurements.kept(_path(), key, _rows)
+    if rows is not None:
+        model.max_rows, model.batch_rows, model.rows_note = int(rows["max_rows"]), int(rows["batch_rows"]), rows.get("note")
+        if rows["steps_apart"]:
+            model.part_steps()
+    else:
+        model.rows_note = model.check_rows()
+        measurements.keep(_path(), key, {"max_rows": model.max_rows, "batch_rows": model.batch_rows,
+                                         "steps_apart": model.steps_apart, "note": model.rows_note})
+    return model
+
+
+def measured(model_dir: Path, threads: int, load_torch, load_ggml_model, say=lambda msg: None) -> tuple[str, object]:
+    """`auto`: the faster of the two on this machine, timed at the first run and kept. Returns the name and the
+    loaded model (at the first run both are loaded and timed; the slower one is dropped).
+
+    A llama.cpp whose probe found single steps apart from batches at long contexts stays a candidate: it runs
+    without drafts, exactly (Engine._rebuild). One whose batches never keep a single step's bits does not: its
+    prefill and resume would run a token at a time."""
+    key = _key(model_dir, threads)
+    rows = measurements.kept(_path(), key + ROWS, _rows)
+    if rows is not None and rows["batch_rows"] == 1:
+        return _no_batches(rows.get("note"), load_torch, say)
+    loaded, no_batches = {}, []
+
+    def time_both() -> dict | None:
+        ggml = load_ggml_model()
+        if ggml.rows_note and ggml.batch_rows == 1:
+            no_batches.append(ggml.rows_note)  # and the model is dropped before torch's is loaded
+            return None
+        loaded["ggml"], loaded["torch"] = ggml, load_torch()
+        return {"ggml": step_ms(ggml), "torch": step_ms(loaded["torch"])}
+
+    times = measurements.cached(_path(), key, time_both, _times)
+    if times is None:
+        return _no_batches(no_batches[0], load_torch, say)
+    name = "ggml" if times["ggml"] <= times["torch"] else "torch"
+    if name not in loaded:  # the times were kept: only the faster one is loaded
+        loaded[name] = load_ggml_model() if name == "ggml" else load_torch()
+    model = loaded.pop(name)
+    loaded.clear()  # the slower one, when both were timed
+    other = "torch" if name == "ggml" else "ggml"
+    say(f"backend: {name} ({'llama.cpp' if name == 'ggml' else 'PyTorch'}): a step takes {times[name]:.1f} ms against "
+        f"{times[other]:.1f} ms on {other} on this machine ({'/'.join(cpu_extensions())}, {threads} threads; measured "
+        f"once, kept in {_path()}; --backend {other} to insist)")
+    return name, model
+
+
+def _rows(entry: dict) -> dict | None:
+    """A kept check_rows result, if it has every field."""
+    return entry if isinstance(entry, dict) and {"max_rows", "batch_rows", "steps_apart"} <= set(entry) else None
+
+
+def _times(entry: dict) -> dict | None:
+    """Kept step times, if both backends have a number."""
+    ok = isinstance(entry, dict) and all(isinstance(entry.get(k), (int, float)) for k in ("torch", "ggml"))
+    return entry if ok else None
+
+
+def _no_batches(note: str, load_torch, say) -> tuple[str, object]:
+    say(f"backend: torch: llama.cpp {note}, so its prefill and resume would run a token at a time "
+        "(--backend ggml runs it anyway)")
+    return "torch", load_torch()
+
+
+def step_ms(model) -> float:
+    """Median milliseconds of a plain one-token step after a 64-token context."""
+    cache = model.new_cache(64 + 8 + TIMED_STEPS + 1)
+    ctx = torch.arange(64) % model.cfg.vocab_size
+    model.forward(ctx, torch.arange(64), cache, logits_for=slice(-1, None))
+    cache.length = 64
+    times = []
+    for i in range(8 + TIMED_STEPS):
+        t = time.perf_counter()
+        model.forward(torch.tensor([i + 7]), torch.tensor([cache.length]), cache)
+        times.append(time.perf_counter() - t)
+        cache.length += 1
+    if hasattr(cache, "close"):
+        cache.close()
+    return 1e3 * sorted(times[8:])[len(times[8:]) // 2]
+
+
+def torch_capability() -> str:
+    """The vector extension torch's CPU kernels run with: the CPU's best unless ATEN_CPU_CAPABILITY lowers it (how an
+    AVX2 machine's torch speed is measured on an AVX-512 one)."""
+    get = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    return get() if get else "unknown"
+
+
+def machine_key() -> str:
+    """What a CPU timing kept in the store depends on besides the model and threads: the CPU's vector extensions and
+    torch's (ATEN_CPU_CAPABILITY can set it below the CPU's)."""
+    return f"{'-'.join(cpu_extensions())}/torch-{torch_capability()}"
+
+
+def _key(model_dir: Path, threads: int) -> str:
+    return f"{fingerprint(Path(model_dir))}/{threads}t/{machine_key()}"
+
+
+def _path() -> Path:
+    return measurements.file("backends.json")

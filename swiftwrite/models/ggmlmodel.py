@@ -1,0 +1,397 @@
+"""The llama.cpp backend: ggml's CPU kernels behind the forward interface the lean forward offers.
+
+A GGUF model runs inside llama.cpp (through llama-cpp-python's low-level API); the engine, the sampler, the
+drafters, the writer and the panel stay ours. `GgmlModel.forward(ids, positions, cache, mask, logits_for)` behaves
+like `LeanModel.forward`: the new tokens' keys and values land after the cache's committed slots, `cache.length` is
+left for the caller to advance (or `cache.compact` to rewrite), and the logits come back as float32 rows for our
+sampler to process (penalty, DRY, min-p, position-seeded noise: nothing of llama.cpp's sampling is used).
+
+**The cache is llama.cpp's, addressed by sequence ids.** Committed tokens live in one sequence (`cache.main`) at
+positions equal to their slots. A draft tree is verified in one batch: every leaf gets its own sequence id, every
+node carries the ids of the leaves below it, and the committed context is shared into every leaf's sequence (a
+unified cache: one cell, several ids). A node then attends to the context and to the nodes on its own path only,
+which is exactly the ancestor mask (how llama.cpp's own speculative example builds trees). After verification,
+`compact` keeps the sequence of one leaf below the last accepted node, cut after that node, and drops everything
+else: the accepted path is already at the right positions, nothing moves.
+
+**Exactness is probed, not assumed.** ggml quantizes each activation row to 8 bits on its own and computes each
+output as one dot product over it, so a row's bits need not depend on the rows beside it; but a batch may take
+other kernels (repacked GEMMs, llamafile's tiles) than a single step. `check_rows` runs the same tokens one at a
+time, as one batch and inside a branching tree, and compares the logits bit for bit; drafting runs only where they
+agree (assembly.drafting), so speculative output stays plain decoding's.
+
+**Where single steps part from batches** (`steps_apart`: with more than one thread, llama.cpp splits a single
+query's attention over 512 or more cells across its threads and a batch's not; see _check_long_context), drafting is
+off and the engine keeps each position's kind of computation the same in every run: a context rebuild (and the
+start of a run) prefills in batches what the running engine had prefilled in batches, and the tokens it had
+written a step at a time after that rebuild a step at a time again (Engine._rebuild). Resume then costs up to one
+window's tokens as single steps, and the plain step keeps llama.cpp's own speed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..base.errors import UserError
+from .forward import Abilities
+
+MAX_ROWS = 128  # rows one llama_decode may carry (a forward over more runs in several)
+MAX_SEQS = 64  # sequence ids: the most leaves a tree of MAX_BUDGET + 1 nodes has
+CTX_STEP = 256  # llama.cpp contexts are sized in these steps
+# the start-up exactness probe (`check_rows`): its tokens, and the batch sizes it tries, largest first. It runs once
+# per model and machine (the result is kept), and on an 8B model 64 single steps are already ~25 s on 2 cores
+PROBE_TOKENS = 64
+PROBE_SIZES = (64, 63, 48, 32, 16, 8, 4, 2)
+PROBE_CONTEXT, PROBE_BATCH = 768, 8  # and the same at a long context (see _check_long_context)
+
+_log: deque[tuple[int, str]] = deque(maxlen=16)  # llama.cpp's last messages: the reason behind a failed load, said in one line
+_binding = None
+_callback = None
+
+
+def binding():
+    """The llama_cpp module, loaded once; UserError with the reason where it is missing or cannot load.
+
+    llama-cpp-python is optional: its wheel builds llama.cpp from source at install time. Imported here, not at
+    module top, because it loads a compiled library the torch path never needs."""
+    global _binding, _callback
+    if _binding is None:
+        try:
+            import llama_cpp  # heavy optional dependency (a compiled library), loaded only for the ggml backend
+
+            @llama_cpp.llama_log_callback
+            def keep(level, text, user_data):  # errors (3) and warnings (2) are kept for messages; none printed
+                if level in (2, 3) and text:
+                    _log.append((level, text.decode("utf-8", "replace").strip()))
+
+            llama_cpp.llama_log_set(keep, ctypes.c_void_p(0))
+            llama_cpp.llama_backend_init()
+        except Exception as e:  # not installed; a library that cannot load here (OSError); a binding of another API
+            why = str(e).splitlines()[0] if str(e) else ""
+            raise BackendMissing(f"{type(e).__name__}: {why}"[:160]) from None
+        _callback = keep  # a ctypes callback must outlive its registration
+        _binding = llama_cpp
+    return _binding
+
+
+class BackendMissing(UserError):
+    """llama-cpp-python is not installed, or its library does not load here."""
+
+
+def system_info() -> str:
+    """What ggml's CPU backend was built with and found (AVX2 = 1 | AVX512 = 1 | ...)."""
+    return binding().llama_print_system_info().decode("utf-8", "replace").strip()
+
+
+def last_message() -> str:
+    """llama.cpp's last error (else its last warning): the reason behind a failed load or decode."""
+    for wanted in (3, 2):
+        for level, text in reversed(_log):
+            if level == wanted and text:
+                return text
+    return "no reason given"
+
+
+class GgmlCache:
+    """A llama.cpp context: its KV cache and the batch buffers the forwards fill. `length` counts committed slots."""
+
+    def __init__(self, model: "GgmlModel", capacity: int):
+        lib = model.lib
+        self.model, self.capacity, self.length = model, capacity, 0
+        params = lib.llama_context_default_params()
+        params.n_ctx = -(-(capacity + MAX_ROWS) // CTX_STEP) * CTX_STEP  # a tree may sit past the last slot
+        params.n_batch = params.n_ubatch = MAX_ROWS  # one forward is one ubatch: its rows are computed together
+        params.n_seq_max = MAX_SEQS
+        params.kv_unified = True  # the context's cells are shared by every leaf's sequence, not copied
+        params.n_threads = params.n_threads_batch = model.threads
+        params.flash_attn_type = model.flash_attn
+        params.no_perf = True
+        self.ctx = lib.llama_init_from_model(model.handle, params)
+        if not self.ctx:
+            raise UserError(f"llama.cpp could not make a {params.n_ctx}-token context for {model.path.name} "
+                            f"({last_message()}); use a smaller --context.")
+        self.mem = lib.llama_get_memory(self.ctx)
+        self.n_ctx = params.n_ctx
+        self.main = 0  # the sequence id holding the committed tokens
+        self.high = 0  # one past the highest position any forward wrote (cells past `length` to drop)
+        self.tree: list[list[int]] | None = None  # the last forward's sequence ids per node, while it was a tree
+        c = model.cfg
+        self.nbytes = 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.n_ctx * 2  # f16 keys and values
+
+    def plan_tree(self, mask: torch.Tensor, ids: torch.Tensor) -> np.ndarray:
+        """Sequence ids for a tree's nodes (those of the leaves below each: mask[i, j] = j is an ancestor of i or i
+        itself), and the batch order, returned: depth first, each node's children in their order, so the chain of
+        first children fills the first rows. The first leaf keeps the main sequence; the others get fresh ids with
+        the context shared into them.
+
+        Why the order: llama.cpp gives a batch's rows consecutive cells, and attention sums over cells in cell order,
+        so the committed tokens must sit in cells in the order of their positions, as a plain run puts them (cell =
+        position). When the accepted path is the batch's first rows it already does; otherwise `compact` writes it
+        again (see there). The first children are the sources' best guesses, so that is the common case."""
+        anc = mask.cpu().numpy()
+        n = anc.shape[0]
+        depth = anc.sum(axis=1) - 1
+        proper = anc & ~np.eye(n, dtype=bool)
+        parent = np.where(proper.any(axis=1), np.argmax(np.where(proper, depth[None, :], -1), axis=1), -1)
+        children: list[list[int]] = [[] for _ in range(n)]
+        for i in range(1, n):
+            children[parent[i]].append(i)
+        order, stack = [], [0]
+        while stack:
+            i = stack.pop()
+            order.append(i)
+            stack.extend(reversed(children[i]))
+        leaves = [i for i in order if not children[i]]
+        if len(leaves) > MAX_SEQS:
+            raise RuntimeError(f"a tree of {len(leaves)} leaves; the llama.cpp context has {MAX_SEQS} sequences")
+        lib = self.model.lib
+        seqs = [self.main] + [s for s in range(MAX_SEQS) if s != self.main][: len(leaves) - 1]
+        for s in seqs[1:]:
+            lib.llama_memory_seq_cp(self.mem, self.main, s, -1, -1)
+        tree: list[list[int]] = [[] for _ in range(n)]
+        for leaf, s in zip(leaves, seqs):
+            for j in np.flatnonzero(anc[leaf]):
+                tree[j].append(s)
+        self.tree, self.tokens = tree, ids.tolist()
+        self.row = np.empty(n, dtype=np.int64)
+        self.row[np.asarray(order)] = np.arange(n)
+        return np.asarray(order)
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        """Keep the tree nodes `keep` (the accepted path, root first) at slots start.., drop the rest."""
+        lib, keep, n = self.model.lib, keep.tolist(), int(keep.numel())
+        if self.tree is not None:
+            if [int(self.row[i]) for i in keep] == list(range(n)):  # the path is the batch's first rows: in place
+                leaf_seq = self.tree[keep[-1]][0]  # a leaf below the last kept node: its path holds every kept node
+                lib.llama_memory_seq_keep(self.mem, leaf_seq)  # the other branches and the context's other ids go
+                lib.llama_memory_seq_rm(self.mem, leaf_seq, start + n, -1)  # the path's nodes past the kept ones
+                self.main = leaf_seq
+            else:
+                # another branch was accepted: its cells sit after rejected ones, out of position order. Drop the
+                # tree and write the path again as one batch, with no logits (a batch's rows are a single step's,
+                # check_rows made sure), into cells start.. in order
+                lib.llama_memory_seq_rm(self.mem, -1, start, -1)
+                lib.llama_memory_seq_keep(self.mem, self.main)
+                self.tree = None  # the re-write below is a plain causal forward
+                self.model.forward(torch.tensor([self.tokens[i] for i in keep]), torch.arange(start, start + n), self,
+                                   logits_for=slice(0, 0))
+            self.tree = None
+        elif self.high > start + n:
+            lib.llama_memory_seq_rm(self.mem, -1, start + n, -1)
+        self.length = self.high = start + n
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self.model.lib.llama_free(self.ctx)
+            self.ctx = None
+
+    __del__ = close
+
+
+class GgmlModel:
+    """A GGUF model in llama.cpp behind LeanModel's interface (see the module docstring)."""
+
+    def __init__(self, path: Path, cfg, threads: int, flash_attn: int = 0):
+        """`cfg`: the model's ModelConfig (sizes, end ids, positions), read from the store's config.json.
+        `flash_attn`: llama.cpp's flash_attn_type (0 off: attention as KQ, softmax, KQV, the path probed here)."""
+        self.lib = lib = binding()
+        self.path, self.cfg, self.threads, self.flash_attn = Path(path), cfg, threads, flash_attn
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = 0
+        _log.clear()
+        self.handle = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self.handle:
+            raise UserError(f"llama.cpp cannot load {self.path} ({last_message()}); use --backend torch, or check "
+                            "the file.")
+        self.vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.handle))
+        if self.vocab != cfg.vocab_size:
+            raise UserError(f"{self.path.name} has {self.vocab} tokens in llama.cpp and {cfg.vocab_size} in its "
+                            "configuration; the tokenizer would not match, use --backend torch.")
+        self.batch = lib.llama_batch_init(MAX_ROWS, 0, MAX_SEQS)
+        b = self.batch
+        self._tok = np.ctypeslib.as_array(b.token, shape=(MAX_ROWS,))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(MAX_ROWS,))
+        self._nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(MAX_ROWS,))
+        self._out = np.ctypeslib.as_array(b.logits, shape=(MAX_ROWS,))
+        self._seq = [b.seq_id[i] for i in range(MAX_ROWS)]
+        # rows a tree may carry (max_rows) and a prefill's batches (batch_rows): set by check_rows. steps_apart: a
+        # single step's bits differ from a batch row's at long contexts here (drafting off, see the module docstring)
+        self.max_rows = self.batch_rows = 1
+        self.steps_apart = False
+        self.rows_note: str | None = None  # check_rows' finding: why trees could change the text here
+
+    @property
+    def abilities(self) -> Abilities:
+        """No state before the final norm (multi-token heads cannot read it). A forward must follow the committed
+        positions (llama.cpp checks each sequence's positions), so a cost curve cannot be measured at a scratch
+        length past them: later context buckets are measured when the run gets there. The rest is check_rows'."""
+        return Abilities(hidden=False, scratch_lengths=False, max_rows=self.max_rows, steps_apart=self.steps_apart,
+                         not_exact=self.rows_note)
+
+    @property
+    def weight_bytes(self) -> int:
+        return int(self.lib.llama_model_size(self.handle))
+
+    def new_cache(self, capacity: int) -> GgmlCache:
+        return GgmlCache(self, capacity)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: GgmlCache, mask: torch.Tensor | None = None,
+                logits_for=None, kv=None) -> tuple[torch.Tensor, torch.Tensor]:
+        if kv is not None:
+            raise ValueError("the llama.cpp backend has no partial draft cache (two-pass heads)")
+        n, start, lib = ids.shape[0], cache.length, self.lib
+        if start + n > cache.capacity:
+            raise RuntimeError(f"KV cache overflow: {start + n} slots needed, {cache.capacity} allocated")
+        if cache.high > start:  # an earlier forward's uncommitted tokens (a cost measurement, a step cut short)
+            lib.llama_memory_seq_rm(cache.mem, -1, start, -1)
+        if cache.tree is not None:  # an uncompacted tree left the context shared into its leaves' sequences
+            lib.llama_memory_seq_keep(cache.mem, cache.main)
+            cache.tree = None
+        cache.high = max(start, int(positions.max()) + 1)
+        wanted = np.zeros(n, dtype=bool)
+        rows = np.arange(n) if logits_for is None else np.arange(n)[logits_for]
+        wanted[rows] = True
+        if mask is not None and n > 1:
+            if n > self.max_rows:
+                raise RuntimeError(f"a tree of {n} nodes; llama.cpp computes {self.max_rows} rows exactly here")
+            order = cache.plan_tree(mask, ids)  # batch row -> node: the first child's chain first
+            got = self._decode(cache, ids.numpy()[order], positions.numpy()[order], wanted[order], cache.tree, order)
+            at = np.full(n, -1, dtype=np.int64)
+            at[order[wanted[order]]] = np.arange(int(wanted.sum()))
+            return torch.from_numpy(got[at[rows]]), torch.empty(n, 0)
+        # causal tokens (a step, a prefill): in batches of at most batch_rows, the most whose rows keep a single
+        # step's bits here (check_rows), so a prefilled context equals one written a token at a time (up to ~512
+        # cells where steps_apart)
+        parts, ids_np, pos_np = [], ids.numpy(), positions.numpy()
+        for a in range(0, n, self.batch_rows):
+            b = min(n, a + self.batch_rows)
+            parts.append(self._decode(cache, ids_np[a:b], pos_np[a:b], wanted[a:b]))
+        got = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if len(rows) == len(got) and (len(rows) < 2 or rows[0] < rows[-1]):  # every wanted row, in order
+            return torch.from_numpy(got), torch.empty(n, 0)
+        at = np.cumsum(wanted) - 1
+        return torch.from_numpy(got[at[rows]]), torch.empty(n, 0)
+
+    def _decode(self, cache: GgmlCache, ids, pos, out, tree=None, order=None) -> np.ndarray:
+        """One llama_decode over rows given in batch order; the logits of the rows flagged in `out`, copied."""
+        m = len(ids)
+        self._tok[:m] = ids
+        self._pos[:m] = pos
+        self._out[:m] = out
+        if tree is None:
+            self._nseq[:m] = 1
+            for i in range(m):
+                self._seq[i][0] = cache.main
+        else:
+            for r, node in enumerate(order):
+                seqs = tree[node]
+                self._nseq[r] = len(seqs)
+                row = self._seq[r]
+                for k, s in enumerate(seqs):
+                    row[k] = s
+        self.batch.n_tokens = m
+        rc = self.lib.llama_decode(cache.ctx, self.batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed ({rc}: {last_message()})")
+        k = int(np.count_nonzero(out))
+        if not k:
+            return np.empty((0, self.vocab), dtype=np.float32)
+        return np.ctypeslib.as_array(self.lib.llama_get_logits(cache.ctx), shape=(k, self.vocab)).copy()
+
+    def check_rows(self) -> str | None:
+        """Find the most rows one llama_decode computes with a single step's bits, and set `max_rows` to it; None
+        when that allows trees (drafting is then exact), else why not, in a clause.
+
+        PROBE_TOKENS tokens run one at a time; then as batches of each candidate size from the largest down (a
+        batch above some size takes other kernels: 64 rows and more did on a 2-core AVX2 build, 2026-12-04); then,
+        at the size found, a tree whose one path is the single steps' tokens with a sibling beside every node."""
+        rng = np.random.default_rng(0)
+        ids = torch.from_numpy(rng.integers(0, self.vocab, PROBE_TOKENS)).long()
+        cache = self.new_cache(2 * PROBE_TOKENS)
+        try:
+            self.max_rows = self.batch_rows = 1
+            self.steps_apart = False
+            single = []
+            for i in range(PROBE_TOKENS):
+                logits, _ = self.forward(ids[i : i + 1], torch.tensor([i]), cache)
+                cache.length += 1
+                single.append(logits[0])
+            single = torch.stack(single)
+            for size in PROBE_SIZES:
+                self.batch_rows = size
+                cache.length = 0
+                batch, _ = self.forward(ids[:size], torch.arange(size), cache)
+                if torch.equal(batch, single[:size]):
+                    break
+            else:
+                self.batch_rows = 1
+                return "a batch of tokens computes other bits than single steps in llama.cpp here"
+            self.max_rows = self.batch_rows
+            k = min(self.max_rows // 2, PROBE_TOKENS // 2)  # path nodes; a sibling beside each but the root
+            start = PROBE_TOKENS - k
+            tokens = torch.cat([ids[start:], (ids[start + 1 :] + 1) % self.vocab])
+            parent = list(range(-1, k - 1)) + list(range(0, k - 1))
+            depth = list(range(k)) + list(range(1, k))
+            anc = torch.eye(len(tokens), dtype=torch.bool)
+            for i in range(len(tokens)):
+                if parent[i] >= 0:
+                    anc[i] |= anc[parent[i]]
+            cache.length = 0  # rewrite the context a token at a time, as a plain run holds it
+            for i in range(start):
+                self.forward(ids[i : i + 1], torch.tensor([i]), cache)
+                cache.length += 1
+            tree, _ = self.forward(tokens, start + torch.tensor(depth), cache, anc)
+            if not torch.equal(tree[:k], single[start:]):
+                return "a draft tree's rows compute other bits than single steps in llama.cpp here"
+        finally:
+            cache.close()
+        return self._check_long_context()
+
+    def _check_long_context(self) -> str | None:
+        """The same comparison after PROBE_CONTEXT tokens of context. Measured 2026-12-04 (2 threads, flash
+        attention): llama.cpp computes a single step's attention over a long context split across its threads,
+        and a batch's not, so from ~512 tokens on a step and a batch differ in the last bits (with one thread they
+        agree). Then `steps_apart` is set and `max_rows` becomes 1: drafting is off, and the engine rebuilds its
+        context with every position computed as the running engine computed it (the module docstring)."""
+        if self.cfg.max_positions < PROBE_CONTEXT + 2 * PROBE_BATCH:
+            return None  # the model never attends that far
+        rng = np.random.default_rng(1)
+        ctx = torch.from_numpy(rng.integers(0, self.vocab, PROBE_CONTEXT)).long()
+        ids = torch.from_numpy(rng.integers(0, self.vocab, PROBE_BATCH)).long()
+        cache = self.new_cache(PROBE_CONTEXT + 2 * PROBE_BATCH)
+        try:
+            self.forward(ctx, torch.arange(PROBE_CONTEXT), cache, logits_for=slice(0, 0))
+            cache.length = PROBE_CONTEXT
+            single = []
+            for i in range(PROBE_BATCH):
+                logits, _ = self.forward(ids[i : i + 1], torch.tensor([PROBE_CONTEXT + i]), cache)
+                cache.length += 1
+                single.append(logits[0])
+            cache.length = PROBE_CONTEXT
+            batch, _ = self.forward(ids, PROBE_CONTEXT + torch.arange(PROBE_BATCH), cache)
+            if not torch.equal(batch, torch.stack(single)):
+                self.part_steps()
+                return (f"after {PROBE_CONTEXT} tokens of context a batch computes other bits than single steps in "
+                        f"llama.cpp with {self.threads} threads here")
+            return None
+        finally:
+            cache.close()
+
+    def part_steps(self) -> None:
+        """Single steps part from batches here: no trees (drafting off), the engine rebuilds position by position
+        as it ran (Engine._rebuild), and attention without flash attention: llama.cpp's default (the peer in
+        `swiftwrite bench` runs it too), which only trees needed."""
+        self.max_rows, self.steps_apart, self.flash_attn = 1, True, 0
+
+    def close(self) -> None:
+        if getattr(self, "handle", None):
+            self.lib.llama_batch_free(self.batch)
+            self.lib.llama_model_free(self.handle)
+            self.handle = None

@@ -1,0 +1,401 @@
+"""Where a run is put together: from a validated configuration to a running session. The only code that decides
+what runs: device, dtype, weights, backend, threads, context, the draft sources and why drafting is off, the
+budget, the outline's schedule, and the planning engine of --plan.
+
+In the order a run pays for them: the model's files, configuration, tokenizer and device first (`open_model`),
+the context window checked against free memory (`make_window`), only then the weights (`load_weights`), then the
+sampler, draft sources and cost curves (`build_engine`, `fit_budget`). `open_session` does all of it for a
+document and returns the Session with a frozen record of what it resolved (`Resolved`: the run directory's
+statistics and the panel's summary show it) and the settings a resume must run again (`Session.cfg`, built once
+here; the configuration a caller passes in is never changed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+from ..base.config import Config, breaker_strings
+from ..base.errors import UserError
+from ..base.modelconfig import SUPPORTED_ARCHS, ModelConfig
+from ..decoding import budget as budget_mod
+from ..decoding.bans import Bans, PhraseError, check_phrases
+from ..decoding.budget import MAX_BUDGET
+from ..decoding.curves import Curves
+from ..decoding.engine import SOURCES, Engine, make_sources
+from ..decoding.heads import HeadsDrafter, HeadsError, TwoPassHeadsDrafter, default_heads_path, load_heads
+from ..decoding.repetition import DrySettings
+from ..decoding.sampling import Sampler, SamplerSettings
+from ..decoding.vocab import breaker_ids, suppressed_ids, vocab_bytes
+from ..decoding.window import Window
+from ..io.ui import Display, dtype_name, human_bytes
+from ..models import backends
+from ..models.forward import Forward
+from ..models.graphs import GraphedModel
+from ..models.hfmodel import load_hf
+from ..models.model import load_lean
+from ..models.modelfiles import check_gguf_header, load_tokenizer, model_config
+from ..models.parallel import check_divides
+from ..models.store import ModelRef, home, resolve, source_weights
+from ..tensors.exact import check
+from ..tensors.kvcache import KVCache
+from . import outline as outlines
+from . import ranks
+from .devices import attention_notes, fit_dtype, free_memory, pick_device, pick_weights, quantized_option, weight_bytes
+from .records import Loaded, Resolved
+from .session import Session
+
+# ---------------------------------------------------------------------------------------------------------
+# What runs
+
+
+def check_device(cfg: Config) -> None:
+    """A missing GPU is reported before any model file is read."""
+    pick_device(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The model
+
+
+def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Loaded:
+    """Everything about the model short of its weights: files, configuration, device, dtype, tokenizer."""
+    if ref is None:
+        check_gguf_header(Path(cfg.model).expanduser())
+        ref = resolve(cfg.model, log=display.info)
+    device, dtype = pick_device(cfg, display.info)
+    threads = cfg.threads
+    if cfg.tp > 1 and device == "cpu" and not threads:
+        # each rank its share of the cores: more threads than cores between processes that wait on each other at
+        # every all-reduce collapses (and a fixed count keeps each rank's bits; threads.py governs one process)
+        threads = max(1, (os.cpu_count() or 1) // cfg.tp)
+    if threads:
+        torch.set_num_threads(threads)
+    mcfg, lean = model_config(ref.path, display.info)
+    if cfg.tp > 1:
+        _check_parallel(cfg, device, mcfg, lean)
+    weights, weights_note = _weights(cfg, ref, device, dtype, mcfg, lean)
+    dtype = fit_dtype(cfg, mcfg, device, dtype, display.info, cfg.tp) if weights == "float" else dtype
+    graphs, notes = attention_notes(cfg, device, dtype)  # with the dtype the model will really have
+    for note in notes:
+        display.info(note)
+    if graphs and cfg.tp > 1:
+        display.info("--cuda-graphs: not captured under tensor parallelism (the collectives are outside the graphs); "
+                     "running without graphs.")
+        graphs = False
+    lm = _loaded(ref, mcfg, device, dtype, cfg.attention, graphs and lean)
+    lm.weights, lm.weights_note, lm.tp, lm.threads = weights, weights_note, cfg.tp, threads
+    lm.backend = backends.choose(cfg, ref.path, device, display.info)
+    if not backends.runs_torch_weights(lm.backend):
+        lm.weights_note = None  # torch's weights do not apply: llama.cpp runs the GGUF's own bits
+    return lm
+
+
+def _weights(cfg: Config, ref: ModelRef, device: str, dtype, mcfg: "ModelConfig", lean: bool) -> tuple[str, str | None]:
+    """The weights that run, and a sentence about them to say once the run starts (or None)."""
+    weights = pick_weights(cfg, device, mcfg, lean)
+    if cfg.weights != "auto" or cfg.tp != 1:
+        return weights, None
+    gguf_type = source_weights(ref.path)
+    faster = quantized_option(gguf_type, device, mcfg, lean)
+    if not faster:
+        return weights, None
+    float_bytes = weight_bytes(mcfg, dtype)
+    free = free_memory(device)
+    if free is not None and float_bytes > 0.9 * free:
+        # An 8B GGUF on a 24 GB machine: float32 cannot load at all, the GGUF's own bits can.
+        return faster, (f"weights: {faster}, the model's own {gguf_type} bits: its {dtype_name(dtype)} weights "
+                        f"({human_bytes(float_bytes)}) do not fit the {human_bytes(free)} free in RAM "
+                        "(--weights float to insist)")
+    return weights, (f"weights: float32, de-quantized from the model's {gguf_type} GGUF; --weights {faster} "
+                     f"keeps its own bits and writes ~2x as fast here, another text that decays sooner on long "
+                     f"runs (README \"Quantized weights\")")
+
+
+def _check_parallel(cfg: Config, device: str, mcfg: "ModelConfig", lean: bool) -> None:
+    """One sentence for each reason `cfg.tp` ranks cannot run this model here, before any weight is read."""
+    if ranks.current is None or ranks.current.world != cfg.tp:
+        raise UserError(f"tensor parallelism (tp {cfg.tp}) runs from the command line: `swiftwrite generate --tp "
+                        f"{cfg.tp} ...` or torchrun; this caller is one process.")
+    ranks.check_world(cfg.tp, device)
+    if not lean:
+        raise UserError(f"tensor parallelism splits the lean forward, and '{mcfg.arch}' runs through transformers; "
+                        "run it without --tp.")
+    if cfg.weights in ("int8", "int4"):
+        raise UserError(f"--weights {cfg.weights} is not split across ranks; use --weights float with --tp, or one "
+                        "process for quantized weights.")
+    if cfg.draft == "heads":
+        raise UserError("multi-token heads do not run under tensor parallelism yet; use --draft all (recycling and "
+                        "n-gram) with --tp, or one process for heads.")
+    check_divides(mcfg, cfg.tp)
+
+
+def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype, attention: str, graphs: bool) -> Loaded:
+    return Loaded(ref, load_tokenizer(ref.path), mcfg, device, dtype, attention=attention, cuda_graphs=graphs)
+
+
+def load_weights(lm: Loaded, display_log=lambda msg: None) -> None:
+    """The weights, on the backend chosen (`auto`: the faster here, timed at the first run and kept)."""
+    torch_model = lambda: _load_torch(lm, display_log)  # noqa: E731
+    ggml_model = lambda: backends.load_ggml(lm.ref.path, lm.mcfg, torch.get_num_threads())  # noqa: E731
+    lm.backend, lm.model = backends.load(lm.backend, lm.ref.path, torch.get_num_threads(), torch_model, ggml_model,
+                                         display_log)
+    if not backends.runs_torch_weights(lm.backend):
+        lm.weights_note = None
+
+
+def _load_torch(lm: Loaded, display_log) -> Forward:
+    if lm.tp > 1:
+        return ranks.current.lead(lm, display_log)  # every rank loads its own shard (ranks.py)
+    if lm.mcfg.arch in SUPPORTED_ARCHS:
+        model = load_lean(lm.ref.path, lm.device, lm.dtype, lm.attention, lm.weights, log=display_log)
+        return GraphedModel(model) if lm.cuda_graphs else model
+    return load_hf(lm.ref.path, lm.device, lm.dtype)
+
+
+def load(cfg: Config, display: Display) -> Loaded:
+    """The model in one call, for callers with no input of their own to check first (bench, training)."""
+    lm = open_model(cfg, display)
+    load_weights(lm, display.info)
+    return lm
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The window and the engine around the model
+
+
+def make_window(cfg: Config, lm: Loaded, prompt_len: int, display: Display) -> "Window":
+    """The context the model attends to, checked against the prompt and free memory before any weight loads."""
+    limit = lm.mcfg.max_positions
+    if cfg.context > limit:
+        display.info(f"--context {cfg.context} is past the model's {limit} positions; using {limit}.")
+    context = min(cfg.context or limit, limit)
+    window = Window(context, prompt_len)
+    kv = KVCache.bytes_needed(lm.mcfg, context + 1 + MAX_BUDGET, lm.dtype) // lm.tp  # a rank holds 1/tp of the KV heads
+    # loaded weights are already not free; a tensor-parallel rank holds its shard
+    weights = 0 if lm.model is not None else backends.file_bytes(lm.backend, lm.ref.path) or \
+        weight_bytes(lm.mcfg, lm.dtype, lm.weights, lm.tp)
+    avail = free_memory(lm.device)
+    where = "in RAM" if lm.device == "cpu" else "on the GPU"
+    dtype = dtype_name(lm.dtype) if lm.weights == "float" else lm.weights
+    if avail is not None and weights > avail:
+        raise UserError(f"the model's {dtype} weights need {human_bytes(weights)} but only {human_bytes(avail)} is free "
+                        f"{where}; use a smaller model" + (", or --dtype bfloat16 (half the memory, another text)"
+                                                            if dtype == "float32" else "") + ".")
+    if avail is not None and weights + kv > avail:
+        per_token = kv / (context + 1 + MAX_BUDGET)
+        fits = max(256, int((avail - weights) * 0.8 / per_token))
+        what = f"the weights ({human_bytes(weights)}) and the KV cache ({human_bytes(kv)})" if weights else \
+            f"the KV cache ({human_bytes(kv)})"
+        raise UserError(f"{what} need more than the {human_bytes(avail)} free {where}; use --context {fits} or less.")
+    return window
+
+
+def dry_settings(cfg: Config, tok, vocab: int, start: int = 0) -> "DrySettings":
+    """The n-gram suppression settings, breakers as token ids (vocab.breaker_ids). Without a tokenizer (ids-only
+    callers) no breakers. `start`: the first position it looks at (text_start_for)."""
+    strings = tuple(breaker_strings(cfg.dry_breakers))
+    ids = breaker_ids(tok, strings, vocab) if strings and tok is not None and cfg.dry_multiplier > 0 else ()
+    return DrySettings(multiplier=cfg.dry_multiplier, base=cfg.dry_base, allowed_length=cfg.dry_allowed_length,
+                       window=cfg.dry_window, start=start, breakers=ids)
+
+
+def sampler_settings(cfg: Config, lm: Loaded, text_start: int) -> SamplerSettings:
+    stops = suppressed_ids(lm.tok, lm.model.cfg)
+    return SamplerSettings(
+        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
+        penalty=cfg.penalty, window=cfg.penalty_window, suppress=() if cfg.stop_at_eos else stops, seed=cfg.seed,
+        start=text_start, dry=dry_settings(cfg, lm.tok, lm.model.cfg.vocab_size, text_start),
+    )
+
+
+def ban_list(cfg: Config, lm: Loaded, window: "Window") -> Bans | None:
+    """The run's banned phrases (--ban, with --ban-file's already added by the writer), checked against what can be
+    written: None when there are none, so a step does no work for them."""
+    if not cfg.ban:
+        return None
+    phrases = check_phrases(cfg.ban)
+    room = window.context - window.prompt
+    for p in phrases:
+        if lm.tok is not None and len(lm.tok(p, add_special_tokens=False)["input_ids"]) > room:
+            raise PhraseError(f"the banned phrase {p[:40]!r} is longer than the {room} tokens the context leaves for "
+                              "writing, so it can never be written; drop it or shorten it.")
+    return Bans(phrases, vocab_bytes(lm.tok, lm.model.cfg.vocab_size))
+
+
+def text_start_for(cfg: Config, prompt_len: int) -> int:
+    """Where the text the penalties count begins: after the prompt when it holds a --source document (restating
+    the source's names and figures is what grounded writing does; penalising it pushed the default model into
+    invented text), else at 0 (the brief and template count, as they always have)."""
+    return prompt_len if cfg.source else 0
+
+
+def drafting(cfg: Config, lm: Loaded, display: Display) -> tuple[list[str], str | None]:
+    """The draft sources that may run (heads still to be found), and why drafting is off where it was asked for
+    but cannot be shown exact here (said once, in one sentence)."""
+    names = [] if cfg.draft == "none" else (list(SOURCES) if cfg.draft == "all" else [cfg.draft])
+    able = lm.model.abilities
+    why = None
+    if names and lm.tp > 1 and able.exact_rows:
+        # each rank would need exact.check's pieces and pads for its own shard; not built
+        why = (f"--dtype {dtype_name(lm.dtype)} under tensor parallelism: the trees' exactness in half precision "
+               "is not built for sharded models, so decoding runs without drafts (as --draft none) and writes exactly "
+               "what plain decoding writes.")
+    if "heads" in names and lm.tp > 1:
+        names.remove("heads")  # "all": the train-free sources, which draft on rank 0 alone (_check_parallel)
+    if names and not why and able.exact_rows and (found := check(lm.model)):  # the bits exactness rests on, here
+        setting = f"--weights {lm.weights}" if lm.weights != "float" else f"--dtype {dtype_name(lm.dtype)}"
+        why = (f"{setting}: {found}, so drafts could change the text; decoding without them (as --draft none) keeps "
+               "it exactly what plain decoding writes.")
+    if names and not why and able.not_exact:  # the llama.cpp backend's probe (ggmlmodel.check_rows)
+        why = (f"llama.cpp: {able.not_exact}, so drafts could change the text; decoding without them (as --draft "
+               "none) keeps it exactly what plain decoding writes.")
+    if why:
+        display.info(why)
+        return [], why
+    return names, None
+
+
+def fixed_budget(cfg: Config, names: list[str], display: Display) -> int | None:
+    """Draft nodes per step, or None for the automatic budget."""
+    fixed = None
+    if names and cfg.budget != "auto":
+        fixed = int(cfg.budget)
+        if fixed > MAX_BUDGET:
+            display.info(f"--budget {fixed} is more than the {MAX_BUDGET} nodes a step can verify; using {MAX_BUDGET}.")
+            fixed = MAX_BUDGET
+    if cfg.static_tree and fixed is None:
+        fixed = MAX_BUDGET
+    return fixed
+
+
+def build_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, display: Display,
+                 text_start: int = 0) -> "Engine":
+    """`window`: from make_window(), or the prompt length to make it from. `text_start`: the first position the
+    penalty and the n-gram suppression count (text_start_for())."""
+    return assemble_engine(cfg, lm, window, total, display, text_start)[0]
+
+
+def assemble_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int, display: Display,
+                    text_start: int = 0) -> tuple["Engine", str | None]:
+    """The engine, and why drafting is off (build_engine)."""
+    if isinstance(window, int):
+        window = make_window(cfg, lm, window, display)
+    model = lm.model
+    names, why = drafting(cfg, lm, display)
+    heads = load_head_drafter(lm, required=cfg.draft == "heads", display=display, cfg=cfg, window=window) \
+        if "heads" in names else None
+    if heads is None and "heads" in names:
+        names.remove("heads")  # "all" without heads for this model: the train-free sources alone
+    able = model.abilities
+    if names and able.pads_trees and able.row_plan is None:  # a float32 CPU model's trees
+        model.set_row_plan(budget_mod.tree_row_plan(model, home() / "row_plans.json", f"{lm.ref.fingerprint}/"
+                                                    f"{torch.get_num_threads()}t/{backends.machine_key()}"))
+    sources, stats = make_sources(names, model.cfg.vocab_size, static_tree=cfg.static_tree, heads=heads)
+    stops = suppressed_ids(lm.tok, model.cfg)
+    engine = Engine(model, Sampler(sampler_settings(cfg, lm, text_start), model.cfg.vocab_size, model.device), window,
+                    sources, stats, budget=fixed_budget(cfg, names, display), capacity=total + 1,
+                    stop_ids=stops if cfg.stop_at_eos else (), bans=ban_list(cfg, lm, window))
+    if lm.weights_note:
+        display.info(lm.weights_note)
+        lm.weights_note = None  # once per run, not once per engine (bench builds one per method)
+    where = backends.describe(lm.backend, lm.device, dtype_name(lm.dtype), lm.weights)
+    display.info(f"KV cache: {human_bytes(engine.cache.nbytes)} for a {window.context}-token context in {where}")
+    return engine, why
+
+
+def load_head_drafter(lm: Loaded, required: bool, display: Display, cfg: Config | None = None,
+                      window: "Window | None" = None):
+    """The heads factory for this model (its own trained heads, else the shipped ones), or None. Missing or
+    unusable heads are an error for --draft heads and a notice for --draft all."""
+    able = lm.model.abilities
+    if not able.hidden:  # llama.cpp exposes no state before the final norm
+        if required:
+            raise UserError("multi-token heads need the torch backend's hidden states; use --backend torch, or "
+                            "--draft all.")
+        return None
+    if not able.lean:
+        if required:
+            raise UserError(f"multi-token heads need the lean forward, and {lm.ref.name} ('{lm.mcfg.arch}') runs through "
+                            "transformers; use --draft all or recycling.")
+        return None
+    path = default_heads_path(lm.ref.fingerprint)
+    if path is None:
+        if required:
+            raise UserError(f"no trained heads match {lm.ref.name}; train them with `swiftwrite train-heads --model "
+                            f"{lm.ref.name} --self-distill` or use --draft all.")
+        return None
+    try:
+        heads = load_heads(path, lm.model, lm.ref.fingerprint)
+    except HeadsError as e:
+        if required:
+            raise
+        display.info(f"heads not used: {e}")
+        return None
+    if cfg is None or cfg.head_mode == "fused":
+        return HeadsDrafter.factory(heads, lm.model)
+    kv_budget = cfg.draft_kv_budget
+    if window is not None and kv_budget > window.context:
+        display.info(f"--draft-kv-budget {kv_budget} is more than the {window.context}-token context; the draft "
+                     f"forward reads the whole context.")
+        kv_budget = window.context
+    return TwoPassHeadsDrafter.factory(heads, lm.model, kv_budget)
+
+
+def curves_for(lm: Loaded) -> Curves:
+    """What this model's cost curves depend on besides the context, and how they are measured."""
+    key = f"{lm.ref.fingerprint}/{lm.model.device.type}/{str(lm.model.dtype)}/{torch.get_num_threads()}t"
+    key += ("/graphs" if lm.cuda_graphs else "") + (f"/attn-{lm.attention}" if lm.attention != "auto" else "")
+    key += backends.curve_key(lm.backend, lm.weights)
+    key += f"/tp{lm.tp}" if lm.tp > 1 else ""  # a sharded forward costs its products / tp plus the all-reduces
+    able = lm.model.abilities
+    plan = able.row_plan if able.pads_trees and able.row_plan else None
+    return Curves(home() / "cost_curves.json", key, plan, able.scratch_lengths)
+
+
+def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display: Display | None = None,
+               upto: int | None = None) -> None:
+    """Give an automatic-budget engine its cost curves (curves.Curves.fit), for callers that build the engine
+    themselves (bench, the tests)."""
+    curves_for(lm).fit(engine, upto)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A document's session, and the planning engine
+
+
+def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: outlines.Plan | None, display: Display) -> Session:
+    """The window over the model's positions, the weights, the engine and the outline's schedule, for a document
+    whose prompt is `prompt_len` tokens: the same for a new run and a resumed one."""
+    window = make_window(cfg, lm, prompt_len + (plan.pin_max if plan else 0), display)
+    if lm.model is None:
+        load_weights(lm, display.info)
+    engine, why = assemble_engine(cfg, lm, window, prompt_len + cfg.tokens, display, text_start_for(cfg, prompt_len))
+    sched = None
+    if plan:
+        sched = outlines.Schedule(plan, outlines.ender_ids(lm.tok, lm.mcfg.vocab_size))
+        engine.pin_context(prompt_len, sched.pin_at)
+    # what a resume must run again: `auto` resolved (the dtype memory allowed, the backend timed here, the ranks'
+    # thread share), as the run directory records it
+    settings = dataclasses.replace(cfg, dtype=dtype_name(lm.dtype), weights=lm.weights, backend=lm.backend,
+                                   threads=lm.threads).validate()
+    resolved = Resolved(model=lm.ref.name, fingerprint=lm.ref.fingerprint, device=lm.device, dtype=settings.dtype,
+                        weights=lm.weights, backend=lm.backend, attention=lm.attention, cuda_graphs=lm.cuda_graphs,
+                        threads=lm.threads, tp=lm.tp, context=window.context,
+                        drafting=tuple(src.name for src in engine.sources),
+                        budget=str(engine.budget) if engine.budget is not None else "auto" if engine.sources else "none",
+                        drafting_off=why, bans=len(engine.bans.phrases) if engine.bans else 0)
+    return Session(settings, lm, engine, sched, display, resolved, curves_for(lm))
+
+
+def planning_engine(cfg: Config, lm: Loaded, prompt_len: int, context: int, capacity: int) -> Engine:
+    """--plan's engine: greedy, without the contextual penalty (a list repeats its numbers and newlines on purpose);
+    DRY as set; stops at an end token; no drafts."""
+    stops = suppressed_ids(lm.tok, lm.model.cfg)
+    settings = SamplerSettings(temperature=0.0, penalty=1.0, suppress=(), seed=cfg.seed,
+                               dry=dry_settings(cfg, lm.tok, lm.model.cfg.vocab_size))
+    return Engine(lm.model, Sampler(settings, lm.model.cfg.vocab_size, lm.model.device), Window(context, prompt_len),
+                  capacity=capacity, stop_ids=stops)

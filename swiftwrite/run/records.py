@@ -1,0 +1,58 @@
+"""The records a run is put together into (assembly.py): the model as it is opened and loaded (`Loaded`), and what
+the run resolved its settings to (`Resolved`, frozen: the stats JSON, the checkpoints and the panel's summary show it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..base.modelconfig import ModelConfig
+from ..models.forward import Forward
+from ..models.store import ModelRef
+
+
+@dataclass
+class Loaded:
+    """The model as it is opened, then loaded: what the later steps of the assembly read."""
+
+    ref: ModelRef
+    tok: object
+    mcfg: "ModelConfig"  # from config.json, known before the weights are read
+    device: str
+    dtype: "torch.dtype"
+    model: "Forward | None" = None  # set by load_weights(), after every cheaper check has passed
+    attention: str = "auto"  # config.ATTENTIONS
+    cuda_graphs: bool = False  # wrap the lean model in graphs.GraphedModel (checked: CUDA and the tree kernel)
+    weights: str = "float"  # config.WEIGHTS resolved: float, int8 or int4
+    tp: int = 1  # tensor-parallel ranks (this process is rank 0 of them when > 1: ranks.py)
+    # said once the run starts (after every check of the input, so a refusal stays one sentence)
+    weights_note: str | None = None
+    backend: str = "torch"  # torch | ggml (backends.py); auto until load_weights has timed both
+    threads: int = 0  # CPU threads, fixed; 0: torch's default, governed by load (threads.py)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What a run resolved its settings to, once, before the first token."""
+
+    model: str  # the model's name in the store (or its path)
+    fingerprint: str
+    device: str
+    dtype: str
+    weights: str  # float, int8, int4
+    backend: str  # torch, ggml
+    attention: str
+    cuda_graphs: bool
+    threads: int  # 0: governed by load
+    tp: int
+    context: int  # tokens the model attends to
+    drafting: tuple[str, ...]  # the draft sources that run
+    budget: str  # draft nodes per step: a number, "auto", or "none"
+    drafting_off: str | None  # why drafting does not run although it was asked for, in a sentence
+    bans: int  # banned phrases
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

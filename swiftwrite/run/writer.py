@@ -1,0 +1,298 @@
+"""The writer: prompt in, document out, through a crash-safe run directory.
+
+It checks everything the user gave (prompt, options, paths, the model's files), loads the model once, turns
+the prompt into token ids, drives the engine, streams text to stdout (or --out) as it comes, and checkpoints
+every `chunk` tokens. The token ids are the source of truth; text is derived from them, so a resumed run
+re-decodes instead of trusting a half-written file. The parts it drives live in prompt.py (brief to ids, ids
+to text), devices.py (device, dtype, memory) and assembly.py (what runs, put together); this module is the run.
+
+The checks of the user's input come before the model is loaded; transformers is imported on first use (hf.py),
+and cli.py imports this module only when a command runs, so `--help` stays instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..base.config import Config
+from ..base.config import resolve as resolve_cfg
+from ..base.errors import UsageError, UserError
+from ..decoding.bans import read_ban_file
+from ..decoding.window import MIN_FREE
+from ..io.prompt import apply_template, prompt_ids, read_prompt, read_source
+from ..io.rundir import RunDir
+from ..io.ui import Display
+from ..models.store import resolve
+from . import outline as outlines
+from . import ranks
+from .assembly import Loaded, check_device, load_weights, make_window, open_model, open_session, planning_engine
+from .edits import check_continues, check_not_edited, continue_edited, plan_of, read_edited, rebuilt_text
+from .session import open_out, plain_int, unpack_state
+
+# ---------------------------------------------------------------------------------------------------------
+# Checks that need no model
+
+
+def slug(text: str) -> str:
+    words = re.findall(r"[a-z0-9]+", text.lower())[:5]
+    return "-".join(words)[:40] or "run"
+
+
+def check_writable(path: Path | None, flag: str) -> None:
+    """Fail now, not after an hour of writing, if `path` cannot become a file. Creates nothing."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a directory; give a file name.")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UserError(f"{flag} {path} cannot be written: the directory {parent} does not exist; create it first.")
+    if not (os.access(path, os.W_OK) if path.exists() else os.access(parent, os.W_OK | os.X_OK)):
+        raise UserError(f"{flag} {path} cannot be written (permission denied); choose another path.")
+
+
+def default_run_dir(brief: str) -> Path:
+    base = Path("runs") / f"{slug(brief)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():  # the same brief twice in one second: the user did not pick the name, so number it
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# generate / resume
+
+
+def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Path | None, quiet: bool, no_live: bool,
+             stats_json: Path | None) -> int:
+    display = Display(Display.choose(quiet, no_live))
+    # Cheapest first: what the user typed, then the model's files, then its weights.
+    cfg, brief, source, sections, budgets = _read_input(cfg, prompt_source)
+    check_writable(out_path, "--out")
+    check_writable(stats_json, "--stats-json")
+    path = run_dir if run_dir is not None else default_run_dir(brief)
+    if not cfg.plan_only:  # --plan-only writes the outline and no run
+        RunDir.check_new(path)
+    lm = open_model(cfg, display)
+    if cfg.plan or cfg.plan_only:
+        sections = _plan(cfg, lm, brief, out_path, display)
+        if cfg.plan_only:
+            return 0
+        budgets = outlines.allocate(sections, cfg.tokens, "the planned outline")
+    text = apply_template(outlines.with_outline(brief, sections) if sections else brief, cfg.template, source)
+    ids = prompt_ids(lm.tok, text, cfg.raw)
+    plan = outlines.Plan.build(sections, budgets, lambda t: lm.tok(t, add_special_tokens=False)["input_ids"]) \
+        if sections else None
+    if ids and max(ids) >= lm.mcfg.vocab_size:
+        raise UserError(f"the tokenizer in {lm.ref.path} produced token id {max(ids)}, but the model has only "
+                        f"{lm.mcfg.vocab_size} embeddings: tokenizer and weights do not belong together; "
+                        "re-download or re-convert the model.")
+    session = open_session(cfg, lm, len(ids), plan, display)
+    out = open_out(out_path)
+    try:
+        # The run records the settings it really uses (session.cfg): `auto` may have become bfloat16 for lack of
+        # memory, the faster backend here, and a resume must not pick others when memory or the machine differ then.
+        rd = RunDir.create(path, session.cfg.to_dict(), text, ids, lm.ref.fingerprint, outline=plan.to_json() if plan else None,
+                           outline_md=outlines.render(sections, budgets) if plan else "")
+        try:
+            ranks.report_run_dir(rd.path)
+            display.info(f"run directory: {rd.path}")
+            if plan:
+                display.info(f"outline: {len(sections)} sections, written to {rd.path / 'outline.md'}")
+            session.start(rd, ids)
+            return session.write(rd, out, stats_json)
+        finally:
+            rd.close()
+    finally:
+        _close(out)
+
+
+def _read_input(cfg: Config, prompt_source: str):
+    """The brief, the source document, the ban file's phrases (in a new configuration) and the outline, each checked
+    before anything else: (cfg, brief, source, sections, budgets)."""
+    brief = read_prompt(prompt_source)
+    source = read_source(cfg.source) if cfg.source else None
+    if cfg.ban_file:  # read once: the run's settings keep its phrases, so `resume` never reads it again
+        cfg = dataclasses.replace(cfg, ban=(*cfg.ban, *(p for p in read_ban_file(cfg.ban_file)
+                                                         if p.strip() not in cfg.ban))).validate()
+    sections = budgets = None
+    if cfg.outline:
+        where = f"--outline {cfg.outline}"
+        sections = outlines.parse(outlines.read_outline(cfg.outline), where)
+        budgets = outlines.allocate(sections, cfg.tokens, where)
+    elif (cfg.plan or cfg.plan_only) and cfg.sections * outlines.MIN_SECTION > cfg.tokens:
+        raise UsageError(f"--sections {cfg.sections} leaves fewer than {outlines.MIN_SECTION} of --tokens {cfg.tokens} "
+                         "per section; ask for fewer sections or more tokens.")
+    return cfg, brief, source, sections, budgets
+
+
+def _plan(cfg: Config, lm: Loaded, brief: str, out_path: Path | None, display: Display) -> list[outlines.Section]:
+    """--plan / --plan-only: the model's outline (--plan-only writes it as the output)."""
+    # the prompt is not known before the plan: check the weights and the document's KV cache against free
+    # memory now, before any weight is read, as make_window does for runs without planning
+    make_window(cfg, lm, 0, Display("quiet"))  # its notices come once, in open_session
+    load_weights(lm, display.info)
+    sections = plan_outline(cfg, lm, brief, display)
+    if cfg.plan_only:
+        fh = open_out(out_path)
+        try:
+            fh.write(outlines.render(sections))
+            fh.flush()
+        finally:
+            _close(fh)
+    return sections
+
+
+def _close(fh) -> None:
+    if fh is not sys.stdout:
+        fh.close()
+
+
+def _resume_config(rd: RunDir, tokens: int | None, tp: int) -> Config:
+    try:
+        cfg = resolve_cfg(None, {}, environ={}, base=rd.config)
+    except UsageError as e:
+        raise UserError(f"{rd.path / 'config.yaml'} is damaged ({e}); the run cannot be resumed.") from None
+    # The target: --tokens, else the last checkpoint's (a run extended before), else the one it started with.
+    saved = (rd.stats or {}).get("target")
+    target = tokens if tokens is not None else saved if plain_int(saved, 1 << 62) else cfg.tokens
+    return dataclasses.replace(cfg, tokens=target, tp=tp).validate({"tokens": "--tokens"} if tokens is not None else None)
+
+
+def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool, quiet: bool, no_live: bool,
+           stats_json: Path | None, tp: int = 1, edited: Path | None = None) -> int:
+    """`tp`: the tensor-parallel ranks it runs on (cli.resume checked it against the run's, or was --force).
+    `edited`: continue from this file's text in a new round (rounds.py); --tokens then counts the tokens added."""
+    display = Display(Display.choose(quiet, no_live))
+    check_writable(out_path, "--out")
+    check_writable(stats_json, "--stats-json")
+    new_text = read_edited(edited) if edited is not None else None
+    if edited is not None:
+        check_writable(edited, "--edited")
+    rd = RunDir.open(run_dir)
+    try:
+        cfg = _opened_run(rd, tokens, out_path, tp, edited, new_text, display)
+        if new_text is not None:
+            return continue_edited(cfg, rd, edited, new_text, tokens, out_path, force, display, stats_json)
+        if tokens is not None and tokens < len(rd.tokens):
+            raise UsageError(f"--tokens {tokens} is less than the {len(rd.tokens)} tokens already written; give a larger target.")
+        complete = len(rd.tokens) >= cfg.tokens
+        lm = _reopen_model(cfg, rd, force, complete, display) if not complete or rd.text_damaged else None
+        if complete:
+            display.info(f"{run_dir} is already complete ({len(rd.tokens)} tokens); pass --tokens N to write more.")
+            if out_path is not None:
+                open_out(out_path, (rd.path / "output.txt").read_text(encoding="utf-8")).close()
+            return 0
+        return _continue(cfg, lm, rd, out_path, stats_json, display)
+    finally:
+        rd.close()
+
+
+def _opened_run(rd: RunDir, tokens: int | None, out_path: Path | None, tp: int, edited: Path | None,
+                new_text: str | None, display: Display) -> Config:
+    """The checks of an opened run directory against what was asked, and its settings for this resume."""
+    ranks.report_run_dir(rd.path)
+    if new_text is not None:
+        check_continues(rd, edited, new_text)
+    elif out_path is not None:
+        check_not_edited(rd, out_path)
+    cfg = _resume_config(rd, tokens if new_text is None else None, tp)
+    written_by = ranks.recorded(rd.path)[0]
+    if tp != written_by:
+        display.info(f"resuming on {tp} tensor-parallel rank{'s' if tp > 1 else ''}, not the run's {written_by} "
+                     "(--force): the continuation will differ from the original run.")
+    if rd.recovered:
+        display.info(rd.recovered)
+    for w in rd.warnings:
+        display.info(w)
+    return cfg
+
+
+def _reopen_model(cfg: Config, rd: RunDir, force: bool, complete: bool, display: Display) -> Loaded:
+    """The run's model, checked against the one that wrote it; a damaged output.txt rebuilt from the ids."""
+    check_device(cfg)  # a missing GPU is reported before any model file is read
+    ref = resolve(cfg.model, log=display.info)
+    if ref.fingerprint != rd.fingerprint:
+        if not force:
+            raise UserError(f"{rd.path} was written with another model (fingerprint {rd.fingerprint}, now "
+                            f"{ref.fingerprint}); resuming would not continue the same text. "
+                            "Use --force to do it anyway.")
+        display.info("resuming with a different model (--force): the continuation will differ from the original run.")
+    lm = open_model(cfg, display, ref)
+    if rd.text_damaged:
+        rd.replace_text(rebuilt_text(rd, lm.tok))
+        if complete:
+            rd.checkpoint(rd.stats, rd.drafter_state(), finished=rd.finished)
+        display.info("output.txt was damaged and has been rebuilt from the token ids.")
+    return lm
+
+
+def _continue(cfg: Config, lm: Loaded, rd: RunDir, out_path: Path | None, stats_json: Path | None,
+              display: Display) -> int:
+    """The session of a resumed run: its outline replayed to where the tokens are, its drafters' state, the rest."""
+    session = open_session(cfg, lm, len(rd.prompt_ids), plan_of(rd), display)
+    if session.sched:
+        try:
+            session.sched.replay(rd.tokens)
+        except ValueError as e:
+            raise UserError(f"the tokens in {rd.path} do not follow its outline ({e}); "
+                            "the run cannot be resumed exactly.") from None
+        saved = (rd.stats.get("sections") or {}).get("starts")
+        if isinstance(saved, list) and saved != session.sched.starts:
+            raise UserError(f"the section boundaries recorded in {rd.path} ({saved}) differ from where its tokens "
+                            f"put them ({session.sched.starts}); the run cannot be resumed exactly.")
+    for w in session.engine.load_drafter_state(unpack_state(rd.drafter_state())):
+        display.info(w)
+    session.start(rd, rd.prompt_ids + rd.tokens)
+    display.info(f"resuming {rd.path} at {len(rd.tokens)}/{cfg.tokens} tokens")
+    existing = (rd.path / "output.txt").read_text(encoding="utf-8") if out_path is not None else None
+    out = open_out(out_path, existing)
+    try:
+        return session.write(rd, out, stats_json)
+    finally:
+        _close(out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Outlines (outline.py has the rules; these put the model behind them)
+
+
+def plan_outline(cfg: Config, lm: Loaded, brief: str, display: Display) -> list[outlines.Section]:
+    """--plan: the model writes the section titles (greedy, a numbered list) before the document. Titles it did
+    not give are filled in as "Part k", and the user is told; the outline is shown either way."""
+    n = outlines.plan_count(cfg.tokens, cfg.sections)
+    ids = prompt_ids(lm.tok, outlines.planning_prompt(brief, n), raw=False)
+    most = n * outlines.PLAN_TITLE_TOKENS + 16
+    context = min(lm.mcfg.max_positions, len(ids) + max(most, MIN_FREE) + 1)
+    if context - len(ids) < MIN_FREE:
+        raise UserError(f"the brief is too long to plan an outline within the model's {lm.mcfg.max_positions} "
+                        "positions; shorten it or give --outline FILE.")
+    engine = planning_engine(cfg, lm, len(ids), context, capacity=len(ids) + most + 1)
+    display.info(f"planning {n} sections from the brief…")
+    got: list[int] = []
+    with torch.inference_mode():
+        engine.start(ids)
+        for step in engine.run(min(most, context - len(ids) - 1)):
+            got += step.tokens
+            if step.tokens and "\n" in lm.tok.decode(step.tokens) and \
+                    len(outlines.parse(lm.tok.decode(got, skip_special_tokens=True), strict=False)) >= n:
+                break
+    text = lm.tok.decode(got, skip_special_tokens=True)
+    sections, missing = outlines.planned(text, n)
+    if missing:
+        how = "edit this outline" if cfg.plan_only else "run with --plan-only, edit the outline"
+        display.alert(f"swiftwrite: the model's plan gave {n - missing} usable (distinct) section titles of {n}; the "
+                      f"other {missing} {'is' if missing == 1 else 'are'} called 'Part k'. To name them, {how} and "
+                      "pass it back with --outline.")
+    if not cfg.plan_only:  # --plan-only prints it as its output
+        display.info("outline:\n" + outlines.render(sections).rstrip())
+    del engine
+    return sections
