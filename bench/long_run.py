@@ -33,7 +33,8 @@ from pathlib import Path
 
 import common
 from swiftwrite.metrics import distinct, first_divergence, longest_repeat
-from swiftwrite.rundir import PROGRESS, RunDir
+from swiftwrite.rundir import RunDir
+from swiftwrite.runfiles import PROGRESS
 
 ROOT = common.ROOT
 

@@ -29,8 +29,9 @@ LAYERS = [
      "autobudget", "vocab"],
     # the engine: token ids in, token ids and step statistics out
     ["engine", "curves"],
-    # run I/O the loader and the writer share: prompts to ids, the run directory, the panel, statistics
-    ["rounds", "prompt", "rundir", "ui", "metrics"],
+    # run I/O the loader and the writer share: prompts to ids, the run directory (its files, and the RunDir that keeps
+    # them), the panel, statistics
+    ["rounds", "prompt", "runfiles", "rundir", "ui", "metrics"],
     # loading: the model store, device and threads, ranks, model + engine assembled; training heads
     ["store", "devices", "threads", "ranks", "backends", "peers", "records", "headdata", "train_heads"],
     # the writer (and the bench harness beside it): outlines, interruptions, a session of the run loop and its
