@@ -20,7 +20,7 @@ import torch
 
 from . import backends, ranks
 from . import budget as budget_mod
-from . import outline as outlines
+from . import schedule
 from .bans import Bans, PhraseError, check_phrases
 from .budget import MAX_BUDGET
 from .config import Config, breaker_strings
@@ -366,7 +366,7 @@ def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display:
 # A document's session, and the planning engine
 
 
-def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: outlines.Plan | None, display: Display) -> Session:
+def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan | None, display: Display) -> Session:
     """The window over the model's positions, the weights, the engine and the outline's schedule, for a document
     whose prompt is `prompt_len` tokens: the same for a new run and a resumed one."""
     window = make_window(cfg, lm, prompt_len + (plan.pin_max if plan else 0), display)
@@ -375,7 +375,7 @@ def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: outlines.Plan |
     engine, why = assemble_engine(cfg, lm, window, prompt_len + cfg.tokens, display, text_start_for(cfg, prompt_len))
     sched = None
     if plan:
-        sched = outlines.Schedule(plan, outlines.ender_ids(lm.tok, lm.mcfg.vocab_size))
+        sched = schedule.Schedule(plan, schedule.ender_ids(lm.tok, lm.mcfg.vocab_size))
         engine.pin_context(prompt_len, sched.pin_at)
     # what a resume must run again: `auto` resolved (the dtype memory allowed, the backend timed here, the ranks'
     # thread share), as the run directory records it

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import outline as outlines
-from . import ranks
+from . import ranks, schedule
 from .bans import read_ban_file
 from .config import Config
 from .config import resolve as resolve_cfg
@@ -89,7 +89,7 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
         budgets = outlines.allocate(sections, cfg.tokens, "the planned outline")
     text = apply_template(outlines.with_outline(brief, sections) if sections else brief, cfg.template, source)
     ids = prompt_ids(lm.tok, text, cfg.raw)
-    plan = outlines.Plan.build(sections, budgets, lambda t: lm.tok(t, add_special_tokens=False)["input_ids"]) \
+    plan = schedule.Plan.build(sections, budgets, lambda t: lm.tok(t, add_special_tokens=False)["input_ids"]) \
         if sections else None
     if ids and max(ids) >= lm.mcfg.vocab_size:
         raise UserError(f"the tokenizer in {lm.ref.path} produced token id {max(ids)}, but the model has only "

@@ -34,9 +34,9 @@ LAYERS = [
     ["rounds", "prompt", "runfiles", "rundir", "ui", "metrics"],
     # loading: the model store, device and threads, ranks, model + engine assembled; training heads
     ["store", "devices", "threads", "ranks", "backends", "peers", "records", "headdata", "train_heads"],
-    # the writer (and the bench harness beside it): outlines, interruptions, a session of the run loop and its
-    # statistics, the assembly, prompt in, document out
-    ["outline", "interrupts", "runstats", "session", "assembly", "edits", "writer", "bench"],
+    # the writer (and the bench harness beside it): outlines and the schedule that places their sections,
+    # interruptions, a session of the run loop and its statistics, the assembly, prompt in, document out
+    ["outline", "schedule", "interrupts", "runstats", "session", "assembly", "edits", "writer", "bench"],
     # the command line
     ["cli", "__main__", "__init__"],
 ]
