@@ -33,7 +33,8 @@ from pathlib import Path
 
 import common
 from swiftwrite.base.metrics import distinct, first_divergence, longest_repeat
-from swiftwrite.io.rundir import PROGRESS, RunDir
+from swiftwrite.io.rundir import RunDir
+from swiftwrite.io.runfiles import PROGRESS
 
 ROOT = common.ROOT
 

@@ -50,10 +50,10 @@ def quality(run: Path, segment: int) -> dict:
 def sections(toks: list[int], outline: dict) -> list[dict]:
     """Per section of an outlined run: where the rule put its heading (replayed from the tokens, as resume does),
     its length against its budget, and the text measures of what the model wrote under it."""
-    from swiftwrite.run import outline as outlines
+    from swiftwrite.run import schedule
 
-    plan = outlines.Plan.from_json(outline)
-    sched = outlines.Schedule(plan, outlines.ender_ids(tokenizer(), len(tokenizer())))
+    plan = schedule.Plan.from_json(outline)
+    sched = schedule.Schedule(plan, schedule.ender_ids(tokenizer(), len(tokenizer())))
     sched.replay(toks)
     starts = sched.starts + [len(toks)]
     full = tokenizer().decode(toks)
@@ -70,7 +70,7 @@ def sections(toks: list[int], outline: dict) -> list[dict]:
                     # the forced heading once, plus any time the model wrote the same line itself
                     "heading_occurrences": full.count(tokenizer().decode(plan.headings[k]).strip()),
                     "heading_after": "start" if a == 0 else ("paragraph" if "\n" in before else
-                                                             "sentence" if outlines.is_ender(before) else "cut"),
+                                                             "sentence" if schedule.is_ender(before) else "cut"),
                     "longest_repeat": longest_repeat(body), **distinct(body),
                     "glued_share": glued_share(body_text), "capitalised_share": capitalised_share(body_text)})
     return out

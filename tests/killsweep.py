@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from gates import Holds
-from swiftwrite.io.rundir import drafter_file, staging_dirs
+from swiftwrite.io.runfiles import drafter_file, staging_dirs
 
 PROMPT = "A lighthouse keeper finds a message in a bottle.\n"
 MODES = {"greedy": ["--temperature", "0"], "sampled": ["--temperature", "0.8", "--seed", "5"]}

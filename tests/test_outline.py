@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from swiftwrite.run import outline as ol
+from swiftwrite.run import schedule
 from swiftwrite.run.edits import continued_plan
 from swiftwrite.decoding.engine import Engine, make_sources
 from swiftwrite.base.errors import UsageError
@@ -122,8 +123,8 @@ def test_plan_count():
 
 
 def test_sentence_ends():
-    assert all(map(ol.is_ender, [".", " end.", "!\"", "?”", ".\n", "\n\n", " done.)", "…"]))
-    assert not any(map(ol.is_ender, [" the", ",", " Mr", "3", "\"", ""]))
+    assert all(map(schedule.is_ender, [".", " end.", "!\"", "?”", ".\n", "\n\n", " done.)", "…"]))
+    assert not any(map(schedule.is_ender, [" the", ",", " Mr", "3", "\"", ""]))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -135,12 +136,12 @@ def fixed_plan(budgets, heading_len=4, pin_lens=(3, 7, 5, 9, 4)):
     n = len(budgets)
     heads = [[120 + (k % 8)] + [3 + k] * (heading_len - 1) for k in range(n)]
     pins = [[100 + k] * pin_lens[k % len(pin_lens)] for k in range(n)]
-    return ol.Plan([ol.Section(f"S{k}") for k in range(n)], list(budgets), heads, pins)
+    return schedule.Plan([ol.Section(f"S{k}") for k in range(n)], list(budgets), heads, pins)
 
 
 def simulate(plan, enders, stream, total):
     """Plain decoding's view: one token at a time from `stream` (an iterator), headings forced."""
-    sched = ol.Schedule(plan, frozenset(enders))
+    sched = schedule.Schedule(plan, frozenset(enders))
     out = []
     while len(out) < total:
         ids = sched.due(out, len(out))
@@ -159,7 +160,7 @@ def test_sections_end_at_a_sentence_end_within_the_grace_and_replay_finds_them()
     plan = fixed_plan(budgets)
     out, sched = simulate(plan, enders, iter(torch.randint(5, 60, (5000,), generator=gen).tolist()), sum(budgets))
     check_sections(out, sched, plan, enders)
-    again = ol.Schedule(plan, frozenset(enders))
+    again = schedule.Schedule(plan, frozenset(enders))
     for cut in range(0, len(out) + 1, 7):  # a resume anywhere
         again.replay(out[:cut])
         assert again.starts == [s for s in sched.starts if s < cut]
@@ -217,12 +218,12 @@ def write(model, setting, drafts, n, history=(), budget=16):
     sources, stats = make_sources(list(drafts), VOCAB)
     engine = Engine(model, Sampler(SETTINGS[setting], VOCAB), Window(CONTEXT, len(PROMPT) + plan.pin_max), sources,
                     stats, budget=budget if drafts else None, capacity=len(PROMPT) + sum(BUDGETS) + 1)
-    sched = ol.Schedule(plan, ENDERS)
+    sched = schedule.Schedule(plan, ENDERS)
     engine.pin_context(len(PROMPT), sched.pin_at)
     out = list(history)
     sched.replay(out)
     engine.start(PROMPT + out)
-    steps = list(ol.drive(engine, sched, n, out))
+    steps = list(schedule.drive(engine, sched, n, out))
     return out, sched, steps
 
 
@@ -322,7 +323,7 @@ def test_the_panel_and_the_progress_line_show_the_section(capsys):
 
 def edited_plan(text: str, more: int, budgets=(100, 100, 100, 100)):
     sections = [ol.Section(t) for t in ("The storm", "The bottle", "The reply", "The ship")]
-    plan = ol.Plan(sections, list(budgets), [[1]] * 4, [[2]] * 4)
+    plan = schedule.Plan(sections, list(budgets), [[1]] * 4, [[2]] * 4)
     return continued_plan(plan, text, list(range(len(text))), lambda offset: offset, more, "outline.md")
 
 

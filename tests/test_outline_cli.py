@@ -15,6 +15,7 @@ import signal
 import pytest
 
 from swiftwrite.run import outline as ol
+from swiftwrite.run import schedule
 import killsweep
 from gates import Holds
 from test_cli import Background, clean_env, read_tokens, state_tokens, sw, text_of
@@ -69,7 +70,7 @@ def refs(work):
 
 
 def sections_of(run_dir):
-    plan = ol.Plan.from_json(json.loads((run_dir / "outline.json").read_text()))
+    plan = schedule.Plan.from_json(json.loads((run_dir / "outline.json").read_text()))
     starts = json.loads((run_dir / "state.json").read_text())["stats"]["sections"]["starts"]
     return plan, starts
 
@@ -98,7 +99,7 @@ def test_headings_appear_once_in_order_and_sections_keep_their_budgets(refs, wor
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(work[1])
-    sched = ol.Schedule(plan, ol.ender_ids(tok, len(tok)))
+    sched = schedule.Schedule(plan, schedule.ender_ids(tok, len(tok)))
     sched.replay(tokens)  # the rule, applied to the tokens afresh, finds the boundaries the run recorded
     assert sched.starts == starts
     for k, s in enumerate(starts):
@@ -189,7 +190,7 @@ def edited_text(text: str) -> str:
 
 
 def round_two(run):
-    plan = ol.Plan.from_json(json.loads((run / "rounds/2/outline.json").read_text()))
+    plan = schedule.Plan.from_json(json.loads((run / "rounds/2/outline.json").read_text()))
     return plan, json.loads((run / "state.json").read_text())["stats"]["sections"]["starts"]
 
 
@@ -217,7 +218,7 @@ def test_an_edited_round_stays_in_the_section_its_text_ends_in_and_drafting_equa
         assert len(tok.decode(tokens[: starts[2]])) <= typed < len(tok.decode(tokens[: starts[2] + 1]))
         assert text.count("## The reply") == 1 and text.count("## The ship") == 1 and text.find("## The ship") > len(edited)
         end = sum(plan.budgets[:3])  # the section being written ends on its adjusted budget (within the grace)
-        assert end <= starts[3] <= end + ol.GRACE_MAX, (starts, plan.budgets)
+        assert end <= starts[3] <= end + schedule.GRACE_MAX, (starts, plan.budgets)
         got[draft] = tokens
     assert got["all"] == got["none"]
 

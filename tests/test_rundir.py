@@ -12,7 +12,8 @@ import pytest
 
 from gates import Holds
 from swiftwrite.base.errors import UserError
-from swiftwrite.io.rundir import RunDir, staging_dirs
+from swiftwrite.io.rundir import RunDir
+from swiftwrite.io.runfiles import staging_dirs
 
 CONFIG = {"model": "smollm2-135m", "max_tokens": 100, "sampling": {"temperature": 0.0}}
 

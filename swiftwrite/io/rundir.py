@@ -1,23 +1,10 @@
 """The run directory: everything needed to continue an interrupted run, token for token.
 
-    config.yaml       resolved configuration             written once, at create
-    prompt.txt        the prompt as given                written once
-    meta.json         fingerprint, prompt ids, format    written once
-    outline.json      the section plan (--outline/--plan) written once; budgets, heading and pinned ids (a later
-                      round's own plan, rounds/<n>/outline.json, takes its place from that round on)
-    outline.md        the same outline as Markdown       written once, for people (and --outline again)
-    tokens.bin        generated ids, int32 little-endian appended as they come
-    output.txt        the decoded text, utf-8            appended as it comes
-    drafter-<sha>.bin opaque drafter state (optional)    one per checkpoint; the last two are kept
-    state.json        the last checkpoint                replaced atomically at checkpoints
-    state.prev.json   the checkpoint before it           fallback if state.json is unreadable
-    progress.jsonl    one line per checkpoint            speed, memory; for people and bench/, never read back
-    lock              flock + holder pid                 held for the RunDir's lifetime
+Its files, their names and the checkpoint record are in runfiles.py; a RunDir holds the directory's lock and keeps
+the files consistent with each other.
 
 create() builds all of it in a hidden sibling directory and renames that into place, so a run directory
 appears whole or not at all: a kill during create leaves the path free for the same command again.
-The drafter file is named after its checksum rather than replaced in place, so a kill between writing it
-and writing state.json leaves the file the last checkpoint names (older runs wrote drafter.bin; still read).
 
 tokens.bin and output.txt are append-only and may run ahead of the checkpoint (a kill between two
 checkpoints). state.json records their committed length and sha256, so open() can cut them back to the
@@ -27,7 +14,6 @@ give a different document.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -36,19 +22,12 @@ from pathlib import Path
 
 import yaml
 
-from ..base.durable import alive, atomic_write, fsync_dir, json_bytes, lock, now, os_reason, pack_ids, sha256, unpack_ids
+from ..base.durable import atomic_write, fsync_dir, json_bytes, lock, now, os_reason, pack_ids, sha256, unpack_ids
 from ..base.errors import UserError
 from . import rounds
-
-FORMAT = 2  # meta.json "format"; bump when the layout changes, keep reading older ones
-# Runs with an outline are written as format 2, so a swiftwrite that knows no outlines refuses them instead of
-# continuing without headings; runs without one stay format 1, readable by every version.
-CONFIG, PROMPT, META, OUTLINE, OUTLINE_MD = "config.yaml", "prompt.txt", "meta.json", "outline.json", "outline.md"
-TOKENS, TEXT, DRAFTER = "tokens.bin", "output.txt", "drafter.bin"  # DRAFTER: the name before format 1.1
-STATE, PREV, LOCK, PROGRESS = "state.json", "state.prev.json", "lock", "progress.jsonl"
-STAGING_PREFIX = ".swiftwrite-new-"  # + name + "." + pid: a run directory being created
-STATE_KEYS = {"n_tokens": int, "tokens_sha256": str, "text_bytes": int, "text_sha256": str,
-              "drafter_sha256": (str, type(None)), "stats": dict, "finished": bool, "checkpoints": int}
+from .runfiles import (CONFIG, FORMAT, LOCK, META, OUTLINE, OUTLINE_MD, PREV, PROGRESS, PROMPT, STAGING_PREFIX,
+                       STATE, TEXT, TOKENS, drafter_file, read_drafter, read_state, state_record, sweep_drafters,
+                       sweep_staging)
 
 
 class RunDir:
@@ -101,7 +80,7 @@ class RunDir:
         self = None
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
-            _sweep_staging(final)
+            sweep_staging(final)
             stage.mkdir()
             self = cls(stage, lock(stage, LOCK))
             self.config, self.prompt_text = config, prompt_text
@@ -158,7 +137,7 @@ class RunDir:
         for f in p.glob("*.tmp"):  # temp files of a write that was killed before its rename
             f.unlink(missing_ok=True)
         try:  # a new round (rounds.py) committed but not yet switched to: finish the switch
-            at = _read_state(p / STATE)[0] or _read_state(p / PREV)[0] or {}
+            at = read_state(p / STATE)[0] or read_state(p / PREV)[0] or {}
             rounds.roll_forward(p, at.get("round", 1), STATE, PREV, TOKENS, TEXT)
         except OSError as e:
             raise UserError(f"could not finish starting the new round in {p} ({os_reason(e)}); free space and resume again.") from e
@@ -171,8 +150,8 @@ class RunDir:
         self.recovered = "; ".join(notes) + "." if notes else None
         want = self._state["drafter_sha256"]
         self._load_drafter(want)
-        prev, _, _ = _read_state(p / PREV)
-        self._sweep_drafters(want, prev["drafter_sha256"] if prev else None)
+        prev, _, _ = read_state(p / PREV)
+        sweep_drafters(p, want, prev["drafter_sha256"] if prev else None)
         self._open_appenders()
 
     def _load_meta(self) -> None:
@@ -199,9 +178,9 @@ class RunDir:
         """The last readable checkpoint (state.json, else state.prev.json), its round and that round's outline.
         Returns the notes for `recovered`."""
         p, notes = self.path, []
-        state, raw, why = _read_state(p / STATE)
+        state, raw, why = read_state(p / STATE)
         if state is None:
-            state, raw, why_prev = _read_state(p / PREV)
+            state, raw, why_prev = read_state(p / PREV)
             if state is None:
                 raise UserError(f"the checkpoint in {p} is unreadable ({STATE}: {why}; {PREV}: {why_prev}); "
                                 "the run cannot be resumed, start a new one.")
@@ -261,19 +240,8 @@ class RunDir:
         start."""
         if not want:
             return
-        for name in (drafter_file(want), DRAFTER):
-            try:
-                blob = (self.path / name).read_bytes()
-            except OSError:
-                continue
-            if sha256(blob) == want:
-                self._drafter = blob
-                if name == DRAFTER:  # the old layout: give it the name the sweeps below keep
-                    try:
-                        os.replace(self.path / DRAFTER, self.path / drafter_file(want))
-                    except OSError:
-                        pass
-                break
+        if (blob := read_drafter(self.path, want)) is not None:
+            self._drafter = blob
         if self._drafter is None:
             self.warnings.append(f"the drafter state {drafter_file(want)} is missing or damaged; the drafter starts "
                                  "cold (the text is unaffected, only the speed).")
@@ -339,25 +307,15 @@ class RunDir:
         kept = self._state["drafter_sha256"]  # now state.prev.json's: its file stays for that fallback
         self._state, self._state_bytes, self.finished = json.loads(data), data, finished
         self._drafter = bytes(drafter_state) if drafter_state is not None else None
-        self._sweep_drafters(dsha, kept)
-
-    def _sweep_drafters(self, *keep: str | None) -> None:
-        names = {drafter_file(k) for k in keep if k}
-        for f in [*self.path.glob("drafter-*.bin"), self.path / DRAFTER]:
-            if f.name not in names:
-                try:
-                    f.unlink(missing_ok=True)
-                except OSError:
-                    pass  # a stale file costs disk space, never text
+        sweep_drafters(self.path, dsha, kept)
 
     def begin_round(self, ids: list[int], edited: str, stats: dict, edit_at: int, outline: dict | None = None,
                     outline_md: str = "") -> None:
         """Continue from `edited` (tokenized as `ids`), with the round's outline plan if the run has one: commit
         round n + 1 (rounds.py), then switch to it."""
         n, enc = self.round + 1, edited.encode("utf-8")
-        state = {"n_tokens": len(ids), "tokens_sha256": sha256(pack_ids(ids)), "text_bytes": len(enc),
-                 "text_sha256": sha256(enc), "drafter_sha256": self._state["drafter_sha256"], "stats": stats,
-                 "finished": False, "checkpoints": self._state["checkpoints"] + 1, "time": now(), "round": n}
+        state = state_record(len(ids), sha256(pack_ids(ids)), len(enc), sha256(enc), self._state["drafter_sha256"],
+                             stats, False, self._state["checkpoints"] + 1, n)
         try:
             for fh in (self._tokens_fh, self._text_fh):
                 fh.flush()
@@ -380,10 +338,8 @@ class RunDir:
             pass
 
     def _new_state(self, stats: dict, drafter_sha: str | None, finished: bool, count: int) -> dict:
-        return {"n_tokens": len(self.tokens), "tokens_sha256": self._tok_hash.copy().hexdigest(),
-                "text_bytes": self._text_bytes, "text_sha256": self._text_hash.copy().hexdigest(),
-                "drafter_sha256": drafter_sha, "stats": stats, "finished": finished,
-                "checkpoints": count, "time": now(), **({"round": self.round} if self.round > 1 else {})}
+        return state_record(len(self.tokens), self._tok_hash.copy().hexdigest(), self._text_bytes,
+                            self._text_hash.copy().hexdigest(), drafter_sha, stats, finished, count, self.round)
 
     def _write_error(self, e: OSError) -> UserError:
         return UserError(f"could not write the checkpoint in {self.path} ({os_reason(e)}); free space and run "
@@ -417,56 +373,3 @@ class RunDir:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# ---------------------------------------------------------------------------------------------------------
-# helpers
-
-
-def drafter_file(sha: str) -> str:
-    return f"drafter-{sha[:16]}.bin"
-
-
-def staging_dirs(path) -> list[Path]:
-    """Hidden siblings where a run directory at `path` is being (or was, if killed) created."""
-    final = Path(path).resolve()
-    return sorted(final.parent.glob(f"{STAGING_PREFIX}{final.name}.*"))
-
-
-def _sweep_staging(final: Path) -> None:
-    """Remove what killed create()s left: a staging directory whose lock nobody holds."""
-    for d in staging_dirs(final):
-        try:
-            fd = os.open(d / LOCK, os.O_RDWR)
-        except FileNotFoundError:
-            fd = None  # killed before it took the lock, or still about to: only remove it if its pid is gone
-            pid = d.name.rsplit(".", 1)[-1]
-            if pid.isdigit() and alive(int(pid)):
-                continue
-        except OSError:
-            continue
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # another process is creating this run right now
-            finally:
-                os.close(fd)
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def _read_state(path: Path) -> tuple[dict | None, bytes, str]:
-    """(state, its raw bytes, "") or (None, b"", why it is unusable)."""
-    try:
-        raw = path.read_bytes()
-        state = json.loads(raw)
-    except FileNotFoundError:
-        return None, b"", "missing"
-    except (OSError, ValueError) as e:
-        return None, b"", f"not JSON: {e}"
-    if not isinstance(state, dict):
-        return None, b"", "not a JSON object"
-    for key, kind in STATE_KEYS.items():
-        if not isinstance(state.get(key), kind) or (kind is int and state[key] < 0):
-            return None, b"", f"bad or missing {key!r}"
-    return state, raw, ""

@@ -42,8 +42,8 @@ from ..models.parallel import check_divides
 from ..models.store import ModelRef, home, resolve, source_weights
 from ..tensors.exact import check
 from ..tensors.kvcache import KVCache
-from . import outline as outlines
 from . import ranks
+from . import schedule
 from .devices import attention_notes, fit_dtype, free_memory, pick_device, pick_weights, quantized_option, weight_bytes
 from .records import Loaded, Resolved
 from .session import Session
@@ -367,7 +367,7 @@ def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display:
 # A document's session, and the planning engine
 
 
-def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: outlines.Plan | None, display: Display) -> Session:
+def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan | None, display: Display) -> Session:
     """The window over the model's positions, the weights, the engine and the outline's schedule, for a document
     whose prompt is `prompt_len` tokens: the same for a new run and a resumed one."""
     window = make_window(cfg, lm, prompt_len + (plan.pin_max if plan else 0), display)
@@ -376,7 +376,7 @@ def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: outlines.Plan |
     engine, why = assemble_engine(cfg, lm, window, prompt_len + cfg.tokens, display, text_start_for(cfg, prompt_len))
     sched = None
     if plan:
-        sched = outlines.Schedule(plan, outlines.ender_ids(lm.tok, lm.mcfg.vocab_size))
+        sched = schedule.Schedule(plan, schedule.ender_ids(lm.tok, lm.mcfg.vocab_size))
         engine.pin_context(prompt_len, sched.pin_at)
     # what a resume must run again: `auto` resolved (the dtype memory allowed, the backend timed here, the ranks'
     # thread share), as the run directory records it

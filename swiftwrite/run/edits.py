@@ -6,7 +6,7 @@ written to --out). A run with an outline stays in the section the edited text en
 looked for in the text, in the outline's order (a heading the writer typed counts as that section's start), the
 last one found is the section being written, and the tokens still to write are shared by the rest of it and the
 sections after it in proportion to their budgets. The sections' starts in the edited text are kept in the round's
-plan (outline.Plan.fixed_starts), so a resume inside the round places every heading as the round did.
+plan (schedule.Plan.fixed_starts), so a resume inside the round places every heading as the round did.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..io.rundir import RunDir
 from ..io.ui import Display
 from ..models.store import resolve
 from . import outline as outlines
+from . import schedule
 from .assembly import check_device, open_model, open_session
 from .runstats import RunStats
 from .session import open_out, unpack_state
@@ -64,12 +65,12 @@ def check_not_edited(rd: RunDir, out_path: Path) -> None:
                         f"`swiftwrite resume {rd.path} --edited {out_path} --tokens N` continues from your text.")
 
 
-def plan_of(rd: RunDir) -> outlines.Plan | None:
+def plan_of(rd: RunDir) -> schedule.Plan | None:
     """The run's outline plan for its current round (None without an outline); one sentence if it is damaged."""
     if rd.outline is None:
         return None
     try:
-        return outlines.Plan.from_json(rd.outline)
+        return schedule.Plan.from_json(rd.outline)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise UserError(f"{rd.path / 'outline.json'} is damaged ({e}); the run cannot be resumed exactly, "
                         "start it again with the same outline.") from None
@@ -158,7 +159,7 @@ def token_finder(tok, ids: list[int]):
     return at
 
 
-def continued_plan(plan: outlines.Plan, text: str, ids: list[int], token_at, more: int, where: str) -> outlines.Plan:
+def continued_plan(plan: schedule.Plan, text: str, ids: list[int], token_at, more: int, where: str) -> schedule.Plan:
     """The plan of a round that continues from `text` (`ids`) and writes `more` tokens.
 
     Each section's heading is looked for in the text in the outline's order (the title as parse() reads it, any
@@ -193,4 +194,4 @@ def continued_plan(plan: outlines.Plan, text: str, ids: list[int], token_at, mor
     shares[-1] += extra - sum(shares)
     budgets = ([starts[j + 1] - starts[j] for j in range(cur)] + [written + shares[0]]
                + [s + outlines.MIN_SECTION for s in shares[1:]])
-    return outlines.Plan(plan.sections, budgets, plan.headings, plan.pins, starts, len(ids))
+    return schedule.Plan(plan.sections, budgets, plan.headings, plan.pins, starts, len(ids))

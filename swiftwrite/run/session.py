@@ -32,7 +32,7 @@ from ..io.rundir import RunDir
 from ..io.ui import QUALITY_WINDOW, WORDS_WINDOW, Display, Progress
 from ..models import threads
 from ..models.backends import cpu_extensions
-from . import outline as outlines
+from . import schedule
 from .interrupts import Interrupt, interrupted_before_the_loop, lost, resume_command, until_a_rank_is_lost
 from .records import Loaded, Resolved
 from .runstats import RunStats, plain_int
@@ -89,7 +89,7 @@ class Session:
     cfg: "Config"  # the run's settings as the run directory records them (`auto` resolved); never changed
     lm: Loaded
     engine: Engine
-    sched: outlines.Schedule | None
+    sched: schedule.Schedule | None
     display: Display
     resolved: Resolved | None = None  # what the run resolved its settings to (the stats show it)
     curves: Curves | None = None  # the automatic budget's cost curves
@@ -172,7 +172,7 @@ class Session:
             with Interrupt() as intr, torch.inference_mode():
                 left = w.st.target - w.st.done
                 steps = self.engine.run(left) if self.sched is None else \
-                    outlines.drive(self.engine, self.sched, left, list(rd.tokens))
+                    schedule.drive(self.engine, self.sched, left, list(rd.tokens))
                 for step in until_a_rank_is_lost(steps, rank_lost := []):
                     if not self._commit(w, step) or intr.signum:
                         break

@@ -31,7 +31,7 @@ from ..io.rundir import RunDir
 from ..io.ui import Display
 from ..models.store import resolve
 from . import outline as outlines
-from . import ranks
+from . import ranks, schedule
 from .assembly import Loaded, check_device, load_weights, make_window, open_model, open_session, planning_engine
 from .edits import check_continues, check_not_edited, continue_edited, plan_of, read_edited, rebuilt_text
 from .session import open_out, plain_int, unpack_state
@@ -89,7 +89,7 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
         budgets = outlines.allocate(sections, cfg.tokens, "the planned outline")
     text = apply_template(outlines.with_outline(brief, sections) if sections else brief, cfg.template, source)
     ids = prompt_ids(lm.tok, text, cfg.raw)
-    plan = outlines.Plan.build(sections, budgets, lambda t: lm.tok(t, add_special_tokens=False)["input_ids"]) \
+    plan = schedule.Plan.build(sections, budgets, lambda t: lm.tok(t, add_special_tokens=False)["input_ids"]) \
         if sections else None
     if ids and max(ids) >= lm.mcfg.vocab_size:
         raise UserError(f"the tokenizer in {lm.ref.path} produced token id {max(ids)}, but the model has only "
