@@ -42,8 +42,7 @@ from ..models.parallel import check_divides
 from ..models.store import ModelRef, home, resolve, source_weights
 from ..tensors.exact import check
 from ..tensors.kvcache import KVCache
-from . import ranks
-from . import schedule
+from . import ranks, schedule
 from .devices import attention_notes, fit_dtype, free_memory, pick_device, pick_weights, quantized_option, weight_bytes
 from .records import Loaded, Resolved
 from .session import Session
