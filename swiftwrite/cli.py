@@ -26,6 +26,7 @@ from .base import config as config_mod
 from .base import options
 from .base.errors import RankLost, UsageError, UserError
 from .base.options import OPTIONS, Option
+from .run import inputs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Write long documents with a local language model, faster, token for token unchanged.")
@@ -107,35 +108,34 @@ def generate(
     Exit status: 0 written, 1 error, 2 bad usage, 3 stopped at a loop (--stop-on-loop), 130 / 143 interrupted;
     after 3 or 130 / 143, `swiftwrite resume RUN_DIR` continues.
     """
-    m = heavy()
     own = given(options.GENERATE, flags)
     run = {o.name: flags[o.name] for o in OPTIONS}
     cfg = config_mod.resolve(own.config, run)
-    here = m.ranks.current
+    here = heavy().ranks.current if "WORLD_SIZE" in os.environ else None  # as in main: torch only for a rank
     if here is not None:  # one rank of a group (torchrun, or a --tp launch): the group's size is the degree
         if run["tp"] is not None and cfg.tp != here.world:
             raise UsageError(f"--tp {cfg.tp} was given, but this command runs as {here.world} ranks; give the same "
                              "number to both, or leave --tp out under torchrun.")
         cfg = dataclasses.replace(cfg, tp=here.world)
     elif cfg.tp > 1:
-        if cfg.backend == "ggml":
-            raise UsageError("--backend ggml runs in one process; drop --tp, or use --backend torch for tensor "
-                             "parallelism.")
+        m = heavy()
         m.ranks.check_world(cfg.tp, cfg.device)
         raise typer.Exit(m.ranks.launch(cfg.tp, sys.argv[1:]))
-    raise typer.Exit(m.writer.generate(cfg, prompt, own.run_dir, own.out, own.quiet, own.no_live, own.stats_json))
+    # what the user typed, checked before torch is imported: a mistyped path is refused at once
+    given_input = inputs.read(cfg, prompt, own.run_dir, own.out, own.stats_json)
+    raise typer.Exit(heavy().writer.generate(given_input, own.quiet, own.no_live))
 
 
 @app.command()
 @with_options(options.RESUME)
 def resume(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="The run directory to continue."), **flags):
     """Continue an interrupted run exactly where its last checkpoint left it."""
-    m = heavy()
     o = given(options.RESUME, flags)
     if o.tokens is not None:
         config_mod.Config(tokens=o.tokens).validate({"tokens": "--tokens"})
     if o.tp is not None:
         config_mod.Config(tp=o.tp).validate({"tp": "--tp"})
+    m = heavy()  # after the options are checked, as in generate
     here = m.ranks.current
     if here is not None and o.tp is not None and o.tp != here.world:
         raise UsageError(f"--tp {o.tp} was given, but this command runs as {here.world} ranks; give the same number "

@@ -14,6 +14,7 @@ import yaml
 
 from swiftwrite.decoding.bans import MAX_RETRIES, Bans, PhraseError, check_phrases, read_ban_file, variants
 from swiftwrite.base.config import Config
+from swiftwrite.run import inputs
 from swiftwrite.decoding.engine import Engine, make_sources
 from swiftwrite.base.errors import UsageError
 from swiftwrite.decoding.heads import HeadsDrafter, TwoPassHeadsDrafter
@@ -220,15 +221,13 @@ def test_a_run_resumed_where_a_checkpoint_can_fall_writes_the_same_text(model, b
 
 
 def test_a_ban_file_that_is_missing_or_binary_stops_the_run_before_its_directory_exists(tmp_path):
-    from swiftwrite.run import writer  # the writer's layer: imported by the tests that drive it
-
     brief = tmp_path / "brief.txt"
     brief.write_text("A lighthouse keeper finds a bottle.")
     (tmp_path / "bin").write_bytes(b"\x00\xff\x00")
     for name in ("missing.txt", "bin"):
         cfg = Config(tokens=20, ban_file=str(tmp_path / name)).validate()
         with pytest.raises(PhraseError):
-            writer.generate(cfg, str(brief), tmp_path / "run", None, True, True, None)
+            inputs.read(cfg, str(brief), tmp_path / "run", None, None)
         assert not (tmp_path / "run").exists()
 
 
@@ -251,8 +250,8 @@ def test_the_default_model_never_writes_a_banned_phrase_drafting_equals_plain_an
 
     def gen(name, **kw):
         cfg = Config(tokens=300, temperature=0.0, context=512, chunk=64, **kw).validate()
-        assert writer.generate(cfg, str(brief), tmp_path / name, tmp_path / f"{name}.md", True, True,
-                               tmp_path / f"{name}.json") == 0
+        given = inputs.read(cfg, str(brief), tmp_path / name, tmp_path / f"{name}.md", tmp_path / f"{name}.json")
+        assert writer.generate(given, True, True) == 0
         return (tmp_path / f"{name}.md").read_text(), json.loads((tmp_path / f"{name}.json").read_text())
 
     free, _ = gen("free", draft="none")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from swiftwrite.models import threads
+from swiftwrite.run import inputs
 from swiftwrite.models.model import load_lean
 from tiny import tiny_hf_model
 
@@ -131,8 +132,9 @@ def test_text_written_while_threads_follow_the_load_is_plain_decodings(default_m
     for name, draft, fn in (("plain", "none", lambda *a: None), ("switching", "all", switching)):
         monkeypatch.setattr(threads, "governor_for", fn)
         cfg = Config(tokens=TOKENS, draft=draft, temperature=0.0, context=256, backend="torch").validate()
-        rc = writer.generate(cfg, str(default_model_prompt(tmp_path)), tmp_path / name, tmp_path / f"{name}.md",
-                             True, True, tmp_path / f"{name}.json")
+        given = inputs.read(cfg, str(default_model_prompt(tmp_path)), tmp_path / name, tmp_path / f"{name}.md",
+                            tmp_path / f"{name}.json")
+        rc = writer.generate(given, True, True)
         assert rc == 0
         out[name] = (tmp_path / name / "tokens.bin").read_bytes()
     assert made and made[0].changes >= 10 and made[0].allowed.get(1) is True, made[0].changes

@@ -117,6 +117,8 @@ class Config:
              "cannot be combined with an outline yet (--outline, --plan); drop one of the two")
         need(not ((self.ban or self.ban_file) and self.tp > 1), "ban",
              "is not built for tensor parallelism yet; drop --tp or the banned phrases")
+        need(not (self.backend == "ggml" and self.tp > 1), "backend",
+             "runs llama.cpp in one process; drop --tp, or use --backend torch for tensor parallelism")
         return self
 
     def to_dict(self) -> dict:

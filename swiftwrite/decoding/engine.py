@@ -2,7 +2,7 @@
 
 Each step verifies one draft tree (just the root for plain decoding) in one forward pass and commits the
 accepted path plus the model's bonus token. The engine knows nothing of text, files or terminals; the
-writer subscribes to the `Step`s it yields.
+session (run/session.py) subscribes to the `Step`s it yields.
 
 State between steps: `S` (every token so far, prompt included) and a KV cache holding the context of
 `window.Window` minus its last token, the root of the next tree.

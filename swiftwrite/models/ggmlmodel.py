@@ -230,7 +230,8 @@ class GgmlModel:
     def abilities(self) -> Abilities:
         """No state before the final norm (multi-token heads cannot read it). A forward must follow the committed
         positions (llama.cpp checks each sequence's positions), so a cost curve cannot be measured at a scratch
-        length past them: later context buckets are measured when the run gets there. The rest is check_rows'."""
+        length past them: one curve, measured at the run's start, serves the whole run (curves.Curves). The rest
+        is check_rows'."""
         return Abilities(hidden=False, scratch_lengths=False, max_rows=self.max_rows, steps_apart=self.steps_apart,
                          not_exact=self.rows_note)
 

@@ -4,10 +4,10 @@ budget, the outline's schedule, and the planning engine of --plan.
 
 In the order a run pays for them: the model's files, configuration, tokenizer and device first (`open_model`),
 the context window checked against free memory (`make_window`), only then the weights (`load_weights`), then the
-sampler, draft sources and cost curves (`build_engine`, `fit_budget`). `open_session` does all of it for a
-document and returns the Session with a frozen record of what it resolved (`Resolved`: the run directory's
-statistics and the panel's summary show it) and the settings a resume must run again (`Session.cfg`, built once
-here; the configuration a caller passes in is never changed).
+sampler, draft sources and cost curves (`assemble_engine`, `curves_for`; the session fits them as it starts).
+`open_session` does it for a document and returns the Session with a frozen record of what it resolved
+(`Resolved`: the stats and the panel show it) and the settings a resume must run again (`Session.cfg`, built
+once here; the configuration a caller passes in is never changed).
 """
 
 from __future__ import annotations

@@ -1,22 +1,19 @@
 """The writer: prompt in, document out, through a crash-safe run directory.
 
-It checks everything the user gave (prompt, options, paths, the model's files), loads the model once, turns
+It takes the user's input as inputs.read checked it (prompt, options, paths), loads the model once, turns
 the prompt into token ids, drives the engine, streams text to stdout (or --out) as it comes, and checkpoints
 every `chunk` tokens. The token ids are the source of truth; text is derived from them, so a resumed run
 re-decodes instead of trusting a half-written file. The parts it drives live in prompt.py (brief to ids, ids
 to text), devices.py (device, dtype, memory) and assembly.py (what runs, put together); this module is the run.
 
-The checks of the user's input come before the model is loaded; transformers is imported on first use (hf.py),
-and cli.py imports this module only when a command runs, so `--help` stays instant.
+The checks of the user's input come before torch is imported (inputs.py); transformers is imported on first use
+(hf.py), and cli.py imports this module only when a command runs, so `--help` stays instant.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,63 +21,27 @@ import torch
 from ..base.config import Config
 from ..base.config import resolve as resolve_cfg
 from ..base.errors import UsageError, UserError
-from ..decoding.bans import read_ban_file
 from ..decoding.window import MIN_FREE
-from ..io.prompt import apply_template, prompt_ids, read_prompt, read_source
+from ..io.prompt import apply_template, prompt_ids
 from ..io.rundir import RunDir
 from ..io.ui import Display
 from ..models.store import resolve
 from . import outline as outlines
 from . import ranks, schedule
 from .assembly import Loaded, check_device, load_weights, make_window, open_model, open_session, planning_engine
+from .inputs import Inputs, check_writable
 from .edits import check_continues, check_not_edited, continue_edited, plan_of, read_edited, rebuilt_text
 from .session import open_out, plain_int, unpack_state
-
-# ---------------------------------------------------------------------------------------------------------
-# Checks that need no model
-
-
-def slug(text: str) -> str:
-    words = re.findall(r"[a-z0-9]+", text.lower())[:5]
-    return "-".join(words)[:40] or "run"
-
-
-def check_writable(path: Path | None, flag: str) -> None:
-    """Fail now, not after an hour of writing, if `path` cannot become a file. Creates nothing."""
-    if path is None:
-        return
-    if path.is_dir():
-        raise UserError(f"{flag} {path} is a directory; give a file name.")
-    parent = path.parent
-    if not parent.is_dir():
-        raise UserError(f"{flag} {path} cannot be written: the directory {parent} does not exist; create it first.")
-    if not (os.access(path, os.W_OK) if path.exists() else os.access(parent, os.W_OK | os.X_OK)):
-        raise UserError(f"{flag} {path} cannot be written (permission denied); choose another path.")
-
-
-def default_run_dir(brief: str) -> Path:
-    base = Path("runs") / f"{slug(brief)}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path, n = base, 1
-    while path.exists():  # the same brief twice in one second: the user did not pick the name, so number it
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
-
 
 # ---------------------------------------------------------------------------------------------------------
 # generate / resume
 
 
-def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Path | None, quiet: bool, no_live: bool,
-             stats_json: Path | None) -> int:
+def generate(inputs: Inputs, quiet: bool, no_live: bool) -> int:
+    """Write the document `inputs` (inputs.read, which checked what the user typed) asks for."""
     display = Display(Display.choose(quiet, no_live))
-    # Cheapest first: what the user typed, then the model's files, then its weights.
-    cfg, brief, source, sections, budgets = _read_input(cfg, prompt_source)
-    check_writable(out_path, "--out")
-    check_writable(stats_json, "--stats-json")
-    path = run_dir if run_dir is not None else default_run_dir(brief)
-    if not cfg.plan_only:  # --plan-only writes the outline and no run
-        RunDir.check_new(path)
+    cfg, brief, source, sections, budgets = inputs.cfg, inputs.brief, inputs.source, inputs.sections, inputs.budgets
+    path, out_path, stats_json = inputs.run_dir, inputs.out, inputs.stats_json
     lm = open_model(cfg, display)
     if cfg.plan or cfg.plan_only:
         sections = _plan(cfg, lm, brief, out_path, display)
@@ -113,25 +74,6 @@ def generate(cfg: Config, prompt_source: str, run_dir: Path | None, out_path: Pa
             rd.close()
     finally:
         _close(out)
-
-
-def _read_input(cfg: Config, prompt_source: str):
-    """The brief, the source document, the ban file's phrases (in a new configuration) and the outline, each checked
-    before anything else: (cfg, brief, source, sections, budgets)."""
-    brief = read_prompt(prompt_source)
-    source = read_source(cfg.source) if cfg.source else None
-    if cfg.ban_file:  # read once: the run's settings keep its phrases, so `resume` never reads it again
-        cfg = dataclasses.replace(cfg, ban=(*cfg.ban, *(p for p in read_ban_file(cfg.ban_file)
-                                                         if p.strip() not in cfg.ban))).validate()
-    sections = budgets = None
-    if cfg.outline:
-        where = f"--outline {cfg.outline}"
-        sections = outlines.parse(outlines.read_outline(cfg.outline), where)
-        budgets = outlines.allocate(sections, cfg.tokens, where)
-    elif (cfg.plan or cfg.plan_only) and cfg.sections * outlines.MIN_SECTION > cfg.tokens:
-        raise UsageError(f"--sections {cfg.sections} leaves fewer than {outlines.MIN_SECTION} of --tokens {cfg.tokens} "
-                         "per section; ask for fewer sections or more tokens.")
-    return cfg, brief, source, sections, budgets
 
 
 def _plan(cfg: Config, lm: Loaded, brief: str, out_path: Path | None, display: Display) -> list[outlines.Section]:
