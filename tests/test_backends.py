@@ -4,13 +4,14 @@ the times, and afterwards loads only the faster; a binding that imports but fail
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
 import pytest
 
 from gguf_tiny import write_gguf
-from swiftwrite.models import backends, ggmlmodel
+from swiftwrite.models import backends, ggmlmodel, ggmlprobe
 from swiftwrite.base import measurements
 from swiftwrite.base.config import Config
 from swiftwrite.base.errors import UserError
@@ -87,7 +88,7 @@ def test_auto_times_both_once_keeps_the_times_and_then_loads_only_the_faster(ggu
 
     def load_ggml():
         loads["ggml"] += 1
-        return ggmlmodel.GgmlModel(gguf_dir / "model.gguf", tiny_config(), threads=1, flash_attn=1)
+        return ggmlmodel.GgmlModel(gguf_dir / "model.gguf", tiny_config(), threads=1)
 
     said = []
     name, model = backends.measured(gguf_dir, 1, load_torch, load_ggml, said.append)
@@ -98,6 +99,40 @@ def test_auto_times_both_once_keeps_the_times_and_then_loads_only_the_faster(ggu
     assert len(said) == 1 and said[0].startswith(f"backend: {name}")
     again, _ = backends.measured(gguf_dir, 1, load_torch, load_ggml)
     assert again == name and loads[name] == 2 and sum(loads.values()) == 3  # the loser is not loaded again
+
+
+def test_loading_probes_once_per_build_keeps_the_finding_and_loads_as_it_found(gguf_dir, home):
+    """The first load probes the invariant loading and keeps what it found; the next loads that loading with the
+    kept finding and probes nothing."""
+    pytest.importorskip("llama_cpp")
+    from test_ggml import tiny_config
+
+    cfg = dataclasses.replace(tiny_config(), max_positions=2048)
+    first = backends.load_ggml(gguf_dir, cfg, 2)
+    assert first.loading == ggmlmodel.INVARIANT and first.found.invariant and first.abilities.governed
+    first.close()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ggmlprobe, "probe", lambda model: pytest.fail("probed again"))
+        again = backends.load_ggml(gguf_dir, cfg, 2)
+    assert again.loading == ggmlmodel.INVARIANT and again.found == first.found
+    again.close()
+
+
+def test_a_binding_built_with_llamafile_loads_stock_and_names_the_rebuild_in_one_sentence(gguf_dir, home,
+                                                                                         monkeypatch):
+    """llamafile's tiles give a batch's rows other bits than single steps: such a binding is loaded with llama.cpp's
+    fast paths (flash attention), where two threads part single steps from batches at long contexts; drafting and
+    the governor are off, and the reason names the command that rebuilds the binding."""
+    pytest.importorskip("llama_cpp")
+    from test_ggml import tiny_config
+
+    info = ggmlmodel.system_info()
+    monkeypatch.setattr(ggmlmodel, "system_info", lambda: info + " LLAMAFILE = 1 |")
+    model = backends.load_ggml(gguf_dir, dataclasses.replace(tiny_config(), max_positions=2048), 2)
+    able = model.abilities
+    model.close()
+    assert model.loading == ggmlmodel.STOCK and able.steps_apart and not able.governed
+    assert ggmlmodel.REBUILD in able.not_exact and able.not_exact.count(". ") == 0
 
 
 def test_the_cpu_extensions_are_named():

@@ -24,8 +24,9 @@ from swiftwrite.decoding.window import Window
 if not os.environ.get("SWIFTWRITE_REQUIRE_GGML"):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'swiftwrite[ggml]')")
 
-from swiftwrite.models import ggmlmodel  # noqa: E402
+from swiftwrite.models import backends, ggmlmodel, ggmlprobe  # noqa: E402
 from swiftwrite.models.ggmlmodel import GgmlModel  # noqa: E402
+from swiftwrite.models import threads  # noqa: E402
 from swiftwrite.models.model import ModelConfig  # noqa: E402
 
 VOCAB, CONTEXT = 96, 256
@@ -46,8 +47,8 @@ def tiny_config() -> ModelConfig:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", vocab=VOCAB, tied=True)
-    m = GgmlModel(path, tiny_config(), threads=1, flash_attn=1)  # one thread: two collapse under any other load
-    m.check_rows()  # sets the rows one decode may carry, as loading does
+    m = GgmlModel(path, tiny_config(), threads=1)  # one thread: two collapse under any other load
+    ggmlprobe.probe(m)  # sets the rows one decode may carry, as loading does
     yield m
     m.close()
 
@@ -68,8 +69,8 @@ def generate(model, settings, names=(), n=600, history=None, budget=8, bans=None
     return [t for s in steps for t in s.tokens], steps
 
 
-def test_the_probe_passes_here_with_flash_attention_and_finds_batches_that_keep_the_bits(model):
-    assert model.check_rows() is None
+def test_the_probe_passes_here_and_finds_batches_that_keep_the_bits(model):
+    assert ggmlprobe.probe(model).invariant
     assert model.max_rows >= 16  # trees of the automatic budget's sizes fit one exact batch
 
 
@@ -83,10 +84,10 @@ def test_the_probe_catches_a_batch_whose_rows_differ_from_single_steps(model, mo
         return logits, hidden
 
     monkeypatch.setattr(GgmlModel, "forward", noisy)
-    assert "batch" in model.check_rows()
+    assert "batch" in ggmlprobe.probe(model).note
     assert model.max_rows == 1  # prefill then runs a token at a time: resume stays exact
     monkeypatch.undo()
-    assert model.check_rows() is None
+    assert ggmlprobe.probe(model).invariant
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
@@ -156,18 +157,28 @@ LONG = 900  # a window past the 512 cells from which llama.cpp splits a single s
 @pytest.fixture(scope="module")
 def two_threads(tmp_path_factory):
     path = write_gguf(tmp_path_factory.mktemp("gguf") / "long.gguf", vocab=VOCAB, tied=True)
-    m = GgmlModel(path, dataclasses.replace(tiny_config(), max_positions=2048), threads=2, flash_attn=1)
-    m.rows_note = m.check_rows()
+    m = GgmlModel(path, dataclasses.replace(tiny_config(), max_positions=2048), threads=2, loading=ggmlmodel.STOCK)
+    ggmlprobe.probe(m)
     yield m
     m.close()
 
 
-def run_long(model, n, history=None):
+def run_long(model, n, history=None, names=(), setting="sample", switch_every=0):
+    """`n` tokens in a LONG-token window (rebuilds on the way), drafting with `names` (budget 8); with
+    `switch_every`, the model's thread count goes 1, 2, 1, ... every that many steps, as the governor's would."""
     p = prompt()
-    engine = Engine(model, Sampler(SETTINGS["sample"], VOCAB), Window(LONG, len(p)), [], None,
-                    capacity=len(p) + n + len(history or []) + 1)
+    sources, stats = make_sources(list(names), VOCAB)
+    engine = Engine(model, Sampler(SETTINGS[setting], VOCAB), Window(LONG, len(p)), sources, stats,
+                    budget=8 if names else None, capacity=len(p) + n + len(history or []) + 1)
     engine.start(history or p)
-    steps = list(engine.run(n))
+    steps, most = [], model.threads
+    try:
+        for i, step in enumerate(engine.run(n)):
+            steps.append(step)
+            if switch_every and i % switch_every == 0:
+                model.set_threads(1 if (i // switch_every) % 2 == 0 else most)
+    finally:
+        model.set_threads(most)
     return [t for s in steps for t in s.tokens], steps
 
 
@@ -175,9 +186,9 @@ def test_with_two_threads_single_steps_part_from_batches_at_long_contexts_and_dr
     """What the probe finds in llama.cpp 0.3.36's CPU backend (a single query's attention over 512 cells or more is
     split across threads, a batch's is not): batches keep the bits at short contexts, so prefill stays batched,
     but trees would not be exact after ~512 tokens."""
-    assert two_threads.steps_apart
+    assert two_threads.found.steps_apart
     assert two_threads.max_rows == 1 and two_threads.batch_rows >= 16
-    assert "768 tokens of context" in two_threads.rows_note
+    assert "tokens of context" in two_threads.found.note
 
 
 @pytest.mark.parametrize("cut", [700, 1000, 1400])  # in the first window, the second, the third
@@ -189,6 +200,70 @@ def test_where_steps_part_from_batches_a_restart_anywhere_continues_exactly(two_
     assert sum(s.rebuilt for s in steps) == 2
     first = whole[:cut]
     rest, _ = run_long(two_threads, 1500 - cut, history=prompt() + first)
+    assert first + rest == whole
+
+
+@pytest.fixture(scope="module")
+def invariant(tmp_path_factory):
+    """Loaded as the default path loads (ggmlmodel.INVARIANT), with two threads, in this binding."""
+    path = write_gguf(tmp_path_factory.mktemp("gguf") / "inv.gguf", vocab=VOCAB, tied=True)
+    m = GgmlModel(path, dataclasses.replace(tiny_config(), max_positions=2048), threads=2)
+    ggmlprobe.probe(m)
+    yield m
+    m.close()
+
+
+def test_the_binding_installed_for_the_tests_is_built_without_llamafile():
+    """The README's commands build llama-cpp-python without llamafile (whose tiles give a row of a batch other bits
+    than the same row alone); CI must test that binding, not a stock one a cache handed back."""
+    if not os.environ.get("SWIFTWRITE_REQUIRE_GGML"):
+        pytest.skip("only where the install is the README's (CI sets SWIFTWRITE_REQUIRE_GGML)")
+    assert not ggmlmodel.with_llamafile(), ggmlmodel.system_info()
+
+
+def test_loaded_invariantly_a_rows_bits_depend_on_neither_batch_nor_threads_at_long_contexts(invariant):
+    """Without flash attention and repacking (and, in CI, llamafile): a single step, a batch and a tree agree
+    after a long context, and one thread agrees with two: trees, batched rebuilds and the governor are all on."""
+    assert invariant.found.invariant
+    assert invariant.max_rows >= 16 and invariant.batch_rows >= 16
+    able = invariant.abilities
+    assert able.governed and not able.steps_apart and able.not_exact is None
+
+
+def test_the_governor_runs_llama_cpp_where_one_thread_gives_two_threads_bits_and_not_where_it_does_not(invariant,
+                                                                                                     two_threads):
+    reference = threads.signature(invariant)  # logits of a chunk, a step and a tree, and the cells' K/V bytes
+    assert len(reference) == 4 and reference[-1].numel() > 0
+    assert threads.same_bits(invariant, 1, reference)
+    assert invariant.threads == 2  # the probe leaves the count as it found it
+    assert threads.governor_for(invariant, 0, "cpu") is not None
+    assert threads.governor_for(invariant, 2, "cpu") is None  # --threads 2: the user's choice, no governor
+    assert threads.governor_for(two_threads, 0, "cpu") is None  # steps part from batches: no governor
+
+
+@pytest.mark.parametrize("setting", ["greedy", "sample"])
+def test_invariantly_trees_past_512_cells_and_changing_threads_write_plain_decodings_tokens(invariant, setting):
+    """Plain decoding on two threads against drafts (budget 8) whose thread count flips between one and two every
+    10 steps, over three windows of LONG tokens: the same tokens."""
+    plain, steps = run_long(invariant, 1500, setting=setting)
+    assert sum(s.rebuilt for s in steps) == 2
+    drafted, dsteps = run_long(invariant, 1500, names=("recycling", "ngram"), setting=setting, switch_every=10)
+    assert drafted == plain
+    if setting == "greedy":  # the random model loops: drafts were accepted past 512 cells, or nothing was tested
+        assert sum(len(s.tokens) - 1 for s in dsteps[len(dsteps) // 2 :]) > 50
+
+
+@pytest.mark.parametrize("cut", [700, 1000, 1400])
+def test_invariantly_a_restart_on_one_thread_continues_a_two_thread_run_exactly(invariant, cut):
+    """Resume prefills the whole context in batches (no step-at-a-time replay) on another thread count, with
+    drafts, and continues to the uninterrupted run's tokens."""
+    whole, _ = run_long(invariant, 1500)
+    first = whole[:cut]
+    invariant.set_threads(1)
+    try:
+        rest, _ = run_long(invariant, 1500 - cut, history=prompt() + first, names=("recycling", "ngram"))
+    finally:
+        invariant.set_threads(2)
     assert first + rest == whole
 
 

@@ -14,6 +14,7 @@ keep `auto` on torch and make `--backend ggml` a sentence saying what to do.
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import time
 from pathlib import Path
@@ -23,11 +24,10 @@ import torch
 from ..base import measurements
 from ..base.errors import UserError
 from ..base.paths import GGUF_FILE, fingerprint
-from . import ggmlmodel
+from . import ggmlmodel, ggmlprobe
 
 TIMED_STEPS = 24  # plain steps timed per candidate (after 8 of warm-up), once per model and machine
-ROWS = "/rows-v3"  # the key of check_rows' result (v3: prefill batches and steps_apart kept apart)
-FLASH_ATTN = 1  # llama.cpp's flash attention: the attention whose batches keep a single step's bits (check_rows)
+ROWS = "/rows-v4"  # the key of the probe's finding (v4: the loading it holds for, threads and the binding's build)
 
 
 def cpu_extensions() -> list[str]:
@@ -127,19 +127,26 @@ def curve_key(name: str, weights: str) -> str:
     return f"/w-{weights}" if weights != "float" and name == "torch" else ""
 
 
-def load_ggml(model_dir: Path, mcfg, threads: int) -> "ggmlmodel.GgmlModel":
-    """The GGUF in llama.cpp, with the rows a decode may carry exactly (check_rows) measured once per machine."""
-    model = ggmlmodel.GgmlModel(gguf_path(model_dir), mcfg, threads=threads, flash_attn=FLASH_ATTN)
-    key = _key(model_dir, threads) + ROWS
-    rows = measurements.kept(_path(), key, _rows)
-    if rows is not None:
-        model.max_rows, model.batch_rows, model.rows_note = int(rows["max_rows"]), int(rows["batch_rows"]), rows.get("note")
-        if rows["steps_apart"]:
-            model.part_steps()
-    else:
-        model.rows_note = model.check_rows()
-        measurements.keep(_path(), key, {"max_rows": model.max_rows, "batch_rows": model.batch_rows,
-                                         "steps_apart": model.steps_apart, "note": model.rows_note})
+def load_ggml(model_dir: Path, mcfg, threads: int, say=lambda msg: None) -> "ggmlmodel.GgmlModel":
+    """The GGUF in llama.cpp, loaded so that a row's bits depend on its tokens alone where the probe shows they do
+    (ggmlprobe.py), else with llama.cpp's fast paths (STOCK: a binding built with llamafile is never invariant, so
+    it is not loaded twice), with what the probe found kept once per model, machine, threads and binding build."""
+    key = f"{_key(model_dir, threads)}/{ggmlmodel.build_key()}{ROWS}"
+    kept = measurements.kept(_path(), key, _finding)
+    if kept is not None:
+        model = ggmlmodel.GgmlModel(gguf_path(model_dir), mcfg, threads=threads, loading=ggmlmodel.STOCK
+                                    if kept.pop("stock") else ggmlmodel.INVARIANT)
+        model.apply(ggmlprobe.Finding(**kept))
+        return model
+    say(f"checking that llama.cpp computes each row from its tokens alone here (once per model, machine, {threads} "
+        "threads and binding build)")
+    for loading in (ggmlmodel.STOCK,) if ggmlmodel.with_llamafile() else (ggmlmodel.INVARIANT, ggmlmodel.STOCK):
+        model = ggmlmodel.GgmlModel(gguf_path(model_dir), mcfg, threads=threads, loading=loading)
+        found = ggmlprobe.probe(model)
+        if found.invariant or loading == ggmlmodel.STOCK:
+            break
+        model.close()
+    measurements.keep(_path(), key, {**dataclasses.asdict(found), "stock": loading == ggmlmodel.STOCK})
     return model
 
 
@@ -151,15 +158,15 @@ def measured(model_dir: Path, threads: int, load_torch, load_ggml_model, say=lam
     without drafts, exactly (Engine._rebuild). One whose batches never keep a single step's bits does not: its
     prefill and resume would run a token at a time."""
     key = _key(model_dir, threads)
-    rows = measurements.kept(_path(), key + ROWS, _rows)
+    rows = measurements.kept(_path(), f"{key}/{ggmlmodel.build_key()}{ROWS}", _finding)
     if rows is not None and rows["batch_rows"] == 1:
-        return _no_batches(rows.get("note"), load_torch, say)
+        return _no_batches(rows["note"], load_torch, say)
     loaded, no_batches = {}, []
 
     def time_both() -> dict | None:
         ggml = load_ggml_model()
-        if ggml.rows_note and ggml.batch_rows == 1:
-            no_batches.append(ggml.rows_note)  # and the model is dropped before torch's is loaded
+        if ggml.found.note and ggml.batch_rows == 1:
+            no_batches.append(ggml.found.note)  # and the model is dropped before torch's is loaded
             return None
         loaded["ggml"], loaded["torch"] = ggml, load_torch()
         return {"ggml": step_ms(ggml), "torch": step_ms(loaded["torch"])}
@@ -179,9 +186,10 @@ def measured(model_dir: Path, threads: int, load_torch, load_ggml_model, say=lam
     return name, model
 
 
-def _rows(entry: dict) -> dict | None:
-    """A kept check_rows result, if it has every field."""
-    return entry if isinstance(entry, dict) and {"max_rows", "batch_rows", "steps_apart"} <= set(entry) else None
+def _finding(entry: dict) -> dict | None:
+    """A kept probe finding, if it has every field (a copy: the caller may take fields out)."""
+    names = {f.name for f in dataclasses.fields(ggmlprobe.Finding)} | {"stock"}
+    return dict(entry) if isinstance(entry, dict) and set(entry) == names else None
 
 
 def _times(entry: dict) -> dict | None:

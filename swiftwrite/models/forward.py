@@ -51,6 +51,11 @@ class Cache(Protocol):
         """Bytes the cache holds (or grows to) at `capacity`: the budget and the memory check read it."""
         ...
 
+    def written(self, end: int) -> list[torch.Tensor]:
+        """Copies of what the first `end` slots hold (keys and values, in the cache's own form): the governor's probe
+        compares them bit for bit across thread counts (caches of governed forwards only)."""
+        ...
+
     def compact(self, start: int, keep: torch.Tensor) -> None:
         """Move slots `start + keep[i]` to `start + i` (a tree's accepted path) and set `length = start + len(keep)`."""
         ...
@@ -67,6 +72,16 @@ class Forward(Protocol):
     cfg: ModelConfig  # vocab_size, eos_token_ids, max_positions, n_layers, hidden_size ...
     device: torch.device
     dtype: torch.dtype
+
+    @property
+    def threads(self) -> int:
+        """CPU threads the forward computes on (governed forwards only)."""
+        ...
+
+    def set_threads(self, threads: int) -> None:
+        """Compute on `threads` CPU threads from the next forward on: the governor's lever (governed forwards
+        only; the same bits at every count the probe allowed)."""
+        ...
 
     def new_cache(self, capacity: int) -> Cache:
         """An empty cache of `capacity` slots, preallocated where the model can."""

@@ -14,24 +14,27 @@ which is exactly the ancestor mask (how llama.cpp's own speculative example buil
 `compact` keeps the sequence of one leaf below the last accepted node, cut after that node, and drops everything
 else: the accepted path is already at the right positions, nothing moves.
 
-**Exactness is probed, not assumed.** ggml quantizes each activation row to 8 bits on its own and computes each
-output as one dot product over it, so a row's bits need not depend on the rows beside it; but a batch may take
-other kernels (repacked GEMMs, llamafile's tiles) than a single step. `check_rows` runs the same tokens one at a
-time, as one batch and inside a branching tree, and compares the logits bit for bit; drafting runs only where they
-agree (assembly.drafting), so speculative output stays plain decoding's.
+**Bits that depend only on the tokens.** Loaded as `INVARIANT` says (no repacked weights, attention without flash
+attention, tiled K-quant products off) in a binding built without llamafile, every output element is one whole dot
+product: a row's bits depend on neither the rows beside it nor the thread count. ggmlprobe.py checks that at start-up
+rather than trusting it, and the finding (`apply`) decides what runs: trees of up to `max_rows` rows, prefills in
+batches of `batch_rows`, the governor (`set_threads`) where one thread computes the run's bits.
 
-**Where single steps part from batches** (`steps_apart`: with more than one thread, llama.cpp splits a single
-query's attention over 512 or more cells across its threads and a batch's not; see _check_long_context), drafting is
-off and the engine keeps each position's kind of computation the same in every run: a context rebuild (and the
-start of a run) prefills in batches what the running engine had prefilled in batches, and the tokens it had
-written a step at a time after that rebuild a step at a time again (Engine._rebuild). Resume then costs up to one
-window's tokens as single steps, and the plain step keeps llama.cpp's own speed.
+**Where single steps part from batches** (`steps_apart`: a binding built with llamafile, loaded as `STOCK`, where with
+more than one thread llama.cpp splits a single query's attention over 512 or more cells across its threads and a
+batch's not), drafting is off and the engine keeps each position's kind of computation the same in every run: a
+context rebuild (and the start of a run) prefills in batches what the running engine had prefilled in batches, and
+the tokens it had written a step at a time after that rebuild a step at a time again (Engine._rebuild).
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import os
+import weakref
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,15 +42,26 @@ import torch
 
 from ..base.errors import UserError
 from .forward import Abilities
+from .ggmlprobe import Finding
 
 MAX_ROWS = 128  # rows one llama_decode may carry (a forward over more runs in several)
 MAX_SEQS = 64  # sequence ids: the most leaves a tree of MAX_BUDGET + 1 nodes has
 CTX_STEP = 256  # llama.cpp contexts are sized in these steps
-# the start-up exactness probe (`check_rows`): its tokens, and the batch sizes it tries, largest first. It runs once
-# per model and machine (the result is kept), and on an 8B model 64 single steps are already ~25 s on 2 cores
-PROBE_TOKENS = 64
-PROBE_SIZES = (64, 63, 48, 32, 16, 8, 4, 2)
-PROBE_CONTEXT, PROBE_BATCH = 768, 8  # and the same at a long context (see _check_long_context)
+REBUILD = ('CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" pip install --force-reinstall --no-cache-dir --no-deps '
+           'llama-cpp-python==0.3.36')  # the binding without llamafile, whose tiles give 2+ rows other bits
+
+
+@dataclass(frozen=True)
+class Loading:
+    """How a model is loaded into llama.cpp: `flash_attn` is llama.cpp's flash_attn_type, `repack` its
+    use_extra_bufts (repacked Q4_0 / Q4_K / IQ4_NL weights)."""
+
+    flash_attn: int
+    repack: bool
+
+
+INVARIANT = Loading(flash_attn=0, repack=False)  # a row's bits from its tokens alone (with a build without llamafile)
+STOCK = Loading(flash_attn=1, repack=True)  # llama.cpp's fast paths: batches keep single steps' bits at short context
 
 _log: deque[tuple[int, str]] = deque(maxlen=16)  # llama.cpp's last messages: the reason behind a failed load, said in one line
 _binding = None
@@ -70,6 +84,9 @@ def binding():
                     _log.append((level, text.decode("utf-8", "replace").strip()))
 
             llama_cpp.llama_log_set(keep, ctypes.c_void_p(0))
+            # K-quant products of 8+ rows take a tiled path with other bits than one row's; ggml reads the switch
+            # at its first product (a user's own setting stands)
+            os.environ.setdefault("GGML_CPU_TILED_MM", "0")
             llama_cpp.llama_backend_init()
         except Exception as e:  # not installed; a library that cannot load here (OSError); a binding of another API
             why = str(e).splitlines()[0] if str(e) else ""
@@ -86,6 +103,24 @@ class BackendMissing(UserError):
 def system_info() -> str:
     """What ggml's CPU backend was built with and found (AVX2 = 1 | AVX512 = 1 | ...)."""
     return binding().llama_print_system_info().decode("utf-8", "replace").strip()
+
+
+def with_llamafile() -> bool:
+    """Whether the binding was built with llamafile (its tiles compute products of 2+ rows with other bits)."""
+    return "LLAMAFILE = 1" in system_info()
+
+
+def build_key() -> str:
+    """What a probe's finding depends on of the binding: its version and how its ggml was built."""
+    lib = binding()
+    return hashlib.sha1(f"{lib.__version__}/{system_info()}".encode()).hexdigest()[:10]
+
+
+def rebuild_hint() -> str:
+    """A clause naming the command that rebuilds the binding without llamafile, where it was built with it."""
+    if not with_llamafile():
+        return ""
+    return f" (this llama-cpp-python was built with llamafile; {REBUILD} rebuilds it without)"
 
 
 def last_message() -> str:
@@ -174,7 +209,7 @@ class GgmlCache:
             else:
                 # another branch was accepted: its cells sit after rejected ones, out of position order. Drop the
                 # tree and write the path again as one batch, with no logits (a batch's rows are a single step's,
-                # check_rows made sure), into cells start.. in order
+                # the probe made sure), into cells start.. in order
                 lib.llama_memory_seq_rm(self.mem, -1, start, -1)
                 lib.llama_memory_seq_keep(self.mem, self.main)
                 self.tree = None  # the re-write below is a plain causal forward
@@ -184,6 +219,15 @@ class GgmlCache:
         elif self.high > start + n:
             lib.llama_memory_seq_rm(self.mem, -1, start + n, -1)
         self.length = self.high = start + n
+
+    def written(self, end: int) -> list[torch.Tensor]:
+        """What the committed sequence's cells hold (llama.cpp's serialized state of it, keys and values: the thread
+        probe compares it bit for bit); `end` is implied by the sequence."""
+        lib = self.model.lib
+        size = lib.llama_state_seq_get_size(self.ctx, self.main)
+        buf = (ctypes.c_uint8 * size)()
+        got = lib.llama_state_seq_get_data(self.ctx, buf, size, self.main)
+        return [torch.frombuffer(bytearray(buf)[:got], dtype=torch.uint8)]
 
     def close(self) -> None:
         if getattr(self, "ctx", None):
@@ -196,14 +240,17 @@ class GgmlCache:
 class GgmlModel:
     """A GGUF model in llama.cpp behind LeanModel's interface (see the module docstring)."""
 
-    def __init__(self, path: Path, cfg, threads: int, flash_attn: int = 0):
+    def __init__(self, path: Path, cfg, threads: int, loading: Loading = INVARIANT):
         """`cfg`: the model's ModelConfig (sizes, end ids, positions), read from the store's config.json.
-        `flash_attn`: llama.cpp's flash_attn_type (0 off: attention as KQ, softmax, KQV, the path probed here)."""
+        `loading`: INVARIANT (the path the probe is meant to confirm) or STOCK (llama.cpp's fast paths)."""
         self.lib = lib = binding()
-        self.path, self.cfg, self.threads, self.flash_attn = Path(path), cfg, threads, flash_attn
+        self.path, self.cfg, self.threads, self.loading = Path(path), cfg, threads, loading
+        self.flash_attn = loading.flash_attn
         self.device, self.dtype = torch.device("cpu"), torch.float32
+        self._caches: weakref.WeakSet[GgmlCache] = weakref.WeakSet()  # open contexts: set_threads reaches each
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
+        params.use_extra_bufts = loading.repack
         _log.clear()
         self.handle = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.handle:
@@ -220,27 +267,28 @@ class GgmlModel:
         self._nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(MAX_ROWS,))
         self._out = np.ctypeslib.as_array(b.logits, shape=(MAX_ROWS,))
         self._seq = [b.seq_id[i] for i in range(MAX_ROWS)]
-        # rows a tree may carry (max_rows) and a prefill's batches (batch_rows): set by check_rows. steps_apart: a
-        # single step's bits differ from a batch row's at long contexts here (drafting off, see the module docstring)
-        self.max_rows = self.batch_rows = 1
-        self.steps_apart = False
-        self.rows_note: str | None = None  # check_rows' finding: why trees could change the text here
+        # rows a tree may carry (max_rows) and a prefill's batches (batch_rows): the probe's finding (apply)
+        self.apply(Finding(batch_rows=1, max_rows=1))  # a step at a time until probed
 
     @property
     def abilities(self) -> Abilities:
         """No state before the final norm (multi-token heads cannot read it). A forward must follow the committed
         positions (llama.cpp checks each sequence's positions), so a cost curve cannot be measured at a scratch
         length past them: one curve, measured at the run's start, serves the whole run (curves.Curves). The rest
-        is check_rows'."""
-        return Abilities(hidden=False, scratch_lengths=False, max_rows=self.max_rows, steps_apart=self.steps_apart,
-                         not_exact=self.rows_note)
+        is the probe's: trees, rebuilds and the governor."""
+        f = self.found
+        note = f"{f.note}{rebuild_hint()}" if f.note else None
+        return Abilities(hidden=False, scratch_lengths=False, max_rows=f.max_rows, steps_apart=f.steps_apart,
+                         not_exact=note, governed=not (f.threads_apart or f.steps_apart))
 
     @property
     def weight_bytes(self) -> int:
         return int(self.lib.llama_model_size(self.handle))
 
     def new_cache(self, capacity: int) -> GgmlCache:
-        return GgmlCache(self, capacity)
+        cache = GgmlCache(self, capacity)
+        self._caches.add(cache)
+        return cache
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: GgmlCache, mask: torch.Tensor | None = None,
@@ -268,7 +316,7 @@ class GgmlModel:
             at[order[wanted[order]]] = np.arange(int(wanted.sum()))
             return torch.from_numpy(got[at[rows]]), torch.empty(n, 0)
         # causal tokens (a step, a prefill): in batches of at most batch_rows, the most whose rows keep a single
-        # step's bits here (check_rows), so a prefilled context equals one written a token at a time (up to ~512
+        # step's bits here (the probe), so a prefilled context equals one written a token at a time (up to ~512
         # cells where steps_apart)
         parts, ids_np, pos_np = [], ids.numpy(), positions.numpy()
         for a in range(0, n, self.batch_rows):
@@ -306,90 +354,20 @@ class GgmlModel:
             return np.empty((0, self.vocab), dtype=np.float32)
         return np.ctypeslib.as_array(self.lib.llama_get_logits(cache.ctx), shape=(k, self.vocab)).copy()
 
-    def check_rows(self) -> str | None:
-        """Find the most rows one llama_decode computes with a single step's bits, and set `max_rows` to it; None
-        when that allows trees (drafting is then exact), else why not, in a clause.
+    def apply(self, found: Finding) -> None:
+        """Take the probe's finding (ggmlprobe.probe, or one kept from an earlier run): the rows a forward may
+        carry, and whether steps part from batches or threads from each other."""
+        self.found = found
+        self.max_rows, self.batch_rows = found.max_rows, found.batch_rows
 
-        PROBE_TOKENS tokens run one at a time; then as batches of each candidate size from the largest down (a
-        batch above some size takes other kernels: 64 rows and more did on a 2-core AVX2 build, 2026-12-04); then,
-        at the size found, a tree whose one path is the single steps' tokens with a sibling beside every node."""
-        rng = np.random.default_rng(0)
-        ids = torch.from_numpy(rng.integers(0, self.vocab, PROBE_TOKENS)).long()
-        cache = self.new_cache(2 * PROBE_TOKENS)
-        try:
-            self.max_rows = self.batch_rows = 1
-            self.steps_apart = False
-            single = []
-            for i in range(PROBE_TOKENS):
-                logits, _ = self.forward(ids[i : i + 1], torch.tensor([i]), cache)
-                cache.length += 1
-                single.append(logits[0])
-            single = torch.stack(single)
-            for size in PROBE_SIZES:
-                self.batch_rows = size
-                cache.length = 0
-                batch, _ = self.forward(ids[:size], torch.arange(size), cache)
-                if torch.equal(batch, single[:size]):
-                    break
-            else:
-                self.batch_rows = 1
-                return "a batch of tokens computes other bits than single steps in llama.cpp here"
-            self.max_rows = self.batch_rows
-            k = min(self.max_rows // 2, PROBE_TOKENS // 2)  # path nodes; a sibling beside each but the root
-            start = PROBE_TOKENS - k
-            tokens = torch.cat([ids[start:], (ids[start + 1 :] + 1) % self.vocab])
-            parent = list(range(-1, k - 1)) + list(range(0, k - 1))
-            depth = list(range(k)) + list(range(1, k))
-            anc = torch.eye(len(tokens), dtype=torch.bool)
-            for i in range(len(tokens)):
-                if parent[i] >= 0:
-                    anc[i] |= anc[parent[i]]
-            cache.length = 0  # rewrite the context a token at a time, as a plain run holds it
-            for i in range(start):
-                self.forward(ids[i : i + 1], torch.tensor([i]), cache)
-                cache.length += 1
-            tree, _ = self.forward(tokens, start + torch.tensor(depth), cache, anc)
-            if not torch.equal(tree[:k], single[start:]):
-                return "a draft tree's rows compute other bits than single steps in llama.cpp here"
-        finally:
-            cache.close()
-        return self._check_long_context()
-
-    def _check_long_context(self) -> str | None:
-        """The same comparison after PROBE_CONTEXT tokens of context. Measured 2026-12-04 (2 threads, flash
-        attention): llama.cpp computes a single step's attention over a long context split across its threads,
-        and a batch's not, so from ~512 tokens on a step and a batch differ in the last bits (with one thread they
-        agree). Then `steps_apart` is set and `max_rows` becomes 1: drafting is off, and the engine rebuilds its
-        context with every position computed as the running engine computed it (the module docstring)."""
-        if self.cfg.max_positions < PROBE_CONTEXT + 2 * PROBE_BATCH:
-            return None  # the model never attends that far
-        rng = np.random.default_rng(1)
-        ctx = torch.from_numpy(rng.integers(0, self.vocab, PROBE_CONTEXT)).long()
-        ids = torch.from_numpy(rng.integers(0, self.vocab, PROBE_BATCH)).long()
-        cache = self.new_cache(PROBE_CONTEXT + 2 * PROBE_BATCH)
-        try:
-            self.forward(ctx, torch.arange(PROBE_CONTEXT), cache, logits_for=slice(0, 0))
-            cache.length = PROBE_CONTEXT
-            single = []
-            for i in range(PROBE_BATCH):
-                logits, _ = self.forward(ids[i : i + 1], torch.tensor([PROBE_CONTEXT + i]), cache)
-                cache.length += 1
-                single.append(logits[0])
-            cache.length = PROBE_CONTEXT
-            batch, _ = self.forward(ids, PROBE_CONTEXT + torch.arange(PROBE_BATCH), cache)
-            if not torch.equal(batch, torch.stack(single)):
-                self.part_steps()
-                return (f"after {PROBE_CONTEXT} tokens of context a batch computes other bits than single steps in "
-                        f"llama.cpp with {self.threads} threads here")
-            return None
-        finally:
-            cache.close()
-
-    def part_steps(self) -> None:
-        """Single steps part from batches here: no trees (drafting off), the engine rebuilds position by position
-        as it ran (Engine._rebuild), and attention without flash attention: llama.cpp's default (the peer in
-        `swiftwrite bench` runs it too), which only trees needed."""
-        self.max_rows, self.steps_apart, self.flash_attn = 1, True, 0
+    def set_threads(self, threads: int) -> None:
+        """Compute on `threads` threads from the next forward on, in every open context (the governor's lever), and
+        torch's sampler with them (two OpenMP threads beside a busy process wait at every barrier)."""
+        self.threads = threads
+        torch.set_num_threads(threads)
+        for cache in list(self._caches):
+            if cache.ctx:
+                self.lib.llama_set_n_threads(cache.ctx, threads, threads)
 
     def close(self) -> None:
         if getattr(self, "handle", None):

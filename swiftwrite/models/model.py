@@ -80,6 +80,14 @@ class LeanModel:
         return Abilities(lean=True, exact_rows=self.exact_rows, pads_trees=self.pads_trees,
                          row_plan=tuple(self.row_plan) if self.row_plan else None, governed=True)
 
+    @property
+    def threads(self) -> int:
+        """CPU threads the forward computes on: torch's (the governor's lever, set_threads)."""
+        return torch.get_num_threads()
+
+    def set_threads(self, threads: int) -> None:
+        torch.set_num_threads(threads)
+
     def set_row_plan(self, plan: list[int]) -> None:
         """The row counts a tree's products run over (ops.row_plan, measured by the assembly): pads_trees only."""
         self.row_plan = list(plan)

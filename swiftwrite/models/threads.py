@@ -70,7 +70,7 @@ def wanted(most: int, free: int | float, others: float) -> int:
 
 @torch.inference_mode()
 def signature(model) -> list[torch.Tensor]:
-    """What the model computes on a fixed input, at the current thread count: a prompt-like chunk (every row's logits
+    """What the model computes on a fixed input, at its current thread count: a prompt-like chunk (every row's logits
     and the K/V it writes), one step after it, and the probe tree of exact.py over it."""
     g = torch.Generator().manual_seed(1)
     vocab, dev = model.cfg.vocab_size, model.device
@@ -82,18 +82,17 @@ def signature(model) -> list[torch.Tensor]:
     step, _ = model.forward(ids[PROBE_CHUNK:], torch.tensor([PROBE_CHUNK], device=dev), cache)
     cache.length += 1
     nodes, _ = model.forward(tree, cache.length + depth, cache, mask=mask)
-    end = cache.length + len(tree)
-    return [chunk, step, nodes, cache.k[:, :, :end].clone(), cache.v[:, :, :end].clone()]
+    return [chunk, step, nodes, *cache.written(cache.length + len(tree))]
 
 
 def signature_at(model, threads: int) -> list[torch.Tensor]:
     """`signature` at `threads` threads; the thread count is left as it was."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    before = model.threads
+    model.set_threads(threads)
     try:
         return signature(model)
     finally:
-        torch.set_num_threads(before)
+        model.set_threads(before)
 
 
 def same_bits(model, threads: int, reference: list[torch.Tensor]) -> bool:
@@ -106,13 +105,14 @@ def same_bits(model, threads: int, reference: list[torch.Tensor]) -> bool:
 
 
 class Governor:
-    """Called once per step (`tick`); changes torch's thread count when the load calls for it and the probe allows
-    it. `busy`, `own` and `clock` are the readings (injectable for tests); `probe(threads) -> bool` says whether a
-    count gives the starting count's bits."""
+    """Called once per step (`tick`); changes the thread count (`set_threads`: the model's, torch's by default) when
+    the load calls for it and the probe allows it. `busy`, `own` and `clock` are the readings (injectable for
+    tests); `probe(threads) -> bool` says whether a count gives the starting count's bits."""
 
     def __init__(self, most: int, probe, free: int | None = None, busy=machine_busy_seconds, own=own_seconds,
-                 clock=time.monotonic, every: float = EVERY):
+                 clock=time.monotonic, every: float = EVERY, set_threads=torch.set_num_threads):
         self.most = self.now = most
+        self.set_threads = set_threads
         self.free = free if free is not None else cores()
         self.probe, self.busy, self.own, self.clock, self.every = probe, busy, own, clock, every
         self.allowed: dict[int, bool] = {most: True}
@@ -144,7 +144,7 @@ class Governor:
             self.last = None  # the probe's own CPU time is not a step's: start the next interval afresh
         if not self.allowed[want]:
             return None
-        torch.set_num_threads(want)
+        self.set_threads(want)
         before, self.now = self.now, want
         self.changes += 1
         if want < before:
@@ -154,11 +154,13 @@ class Governor:
 
 
 def governor_for(model, threads_flag: int, device_type: str) -> Governor | None:
-    """The run's governor, or None: a fixed --threads, a GPU, a model outside the lean forward, a single thread,
-    or a machine without /proc/stat."""
-    most = torch.get_num_threads()
-    if threads_flag or device_type != "cpu" or most < 2 or not model.abilities.governed \
-            or machine_busy_seconds() is None:
+    """The run's governor, or None: a fixed --threads, a GPU, a model whose probe found other bits at another count
+    (or that has none: the transformers fallback, tensor parallelism), a single thread, or a machine without
+    /proc/stat."""
+    if threads_flag or device_type != "cpu" or not model.abilities.governed or machine_busy_seconds() is None:
+        return None
+    most = model.threads
+    if most < 2:
         return None
     reference: list[torch.Tensor] = []
 
@@ -167,5 +169,5 @@ def governor_for(model, threads_flag: int, device_type: str) -> Governor | None:
             reference.extend(signature_at(model, most))
         return same_bits(model, threads, reference)
 
-    return Governor(most, probe)
+    return Governor(most, probe, set_threads=model.set_threads)
 

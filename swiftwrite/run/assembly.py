@@ -139,7 +139,7 @@ def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype, attention: s
 def load_weights(lm: Loaded, display_log=lambda msg: None) -> None:
     """The weights, on the backend chosen (`auto`: the faster here, timed at the first run and kept)."""
     torch_model = lambda: _load_torch(lm, display_log)  # noqa: E731
-    ggml_model = lambda: backends.load_ggml(lm.ref.path, lm.mcfg, torch.get_num_threads())  # noqa: E731
+    ggml_model = lambda: backends.load_ggml(lm.ref.path, lm.mcfg, torch.get_num_threads(), display_log)  # noqa: E731
     lm.backend, lm.model = backends.load(lm.backend, lm.ref.path, torch.get_num_threads(), torch_model, ggml_model,
                                          display_log)
     if not backends.runs_torch_weights(lm.backend):
@@ -249,9 +249,9 @@ def drafting(cfg: Config, lm: Loaded, display: Display) -> tuple[list[str], str 
         setting = f"--weights {lm.weights}" if lm.weights != "float" else f"--dtype {dtype_name(lm.dtype)}"
         why = (f"{setting}: {found}, so drafts could change the text; decoding without them (as --draft none) keeps "
                "it exactly what plain decoding writes.")
-    if names and not why and able.not_exact:  # the llama.cpp backend's probe (ggmlmodel.check_rows)
-        why = (f"llama.cpp: {able.not_exact}, so drafts could change the text; decoding without them (as --draft "
-               "none) keeps it exactly what plain decoding writes.")
+    if names and not why and able.not_exact:  # the llama.cpp backend's probe (ggmlprobe.py)
+        why = (f"llama.cpp: {able.not_exact}, so drafts could change the text; decoding without them (as --draft none)"
+               f"{'' if able.governed else ' and on a fixed thread count'} keeps it exactly what plain decoding writes.")
     if why:
         display.info(why)
         return [], why

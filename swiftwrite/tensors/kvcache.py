@@ -29,6 +29,10 @@ class KVCache:
     def bytes_needed(cfg: ModelConfig, capacity: int, dtype) -> int:
         return 2 * cfg.n_layers * cfg.n_kv_heads * capacity * cfg.head_dim * torch.finfo(dtype).bits // 8
 
+    def written(self, end: int) -> list[torch.Tensor]:
+        """Copies of what slots [0, end) hold (the thread probe compares them bit for bit)."""
+        return [self.k[:, :, :end].clone(), self.v[:, :, :end].clone()]
+
     def compact(self, start: int, keep: torch.Tensor) -> None:
         """Move the slots `start + keep[i]` to `start + i` (the accepted path of a tree) in all layers."""
         n = keep.numel()

@@ -1,0 +1,160 @@
+"""Does llama.cpp compute a row's bits from the tokens alone here? The llama.cpp backend's start-up probe.
+
+Speculative output equals plain decoding, a resumed run the uninterrupted one and a governed run a fixed one only
+if a position's logits depend on the tokens before it and on nothing else: not the rows verified beside it, not the
+thread count, not whether the context was prefilled or written a step at a time (design notes §11). On llama.cpp's
+CPU backend four speed paths break that (llamafile's tiles, repacked weights, tiled K-quant products, flash
+attention's split of one query across threads); built and loaded without them, every output element is one whole
+dot product. The probe does not take the configuration's word for it. It runs random tokens one at a time, as
+batches of the sizes trees and prefills use, inside a branching tree, at a short context and after LONG_CONTEXT
+tokens, and with one thread against the run's, and compares the logits bit for bit:
+
+- a batch size whose rows equal single steps: prefills and trees use it (`batch_rows`, `max_rows`);
+- a long context where a batch or a tree parts from single steps: `steps_apart` (no trees; the engine rebuilds the
+  context as the running engine computed it, Engine._rebuild);
+- one thread against the run's: `threads_apart` (no governor; a resume with another --threads could write other
+  text).
+
+The finding is kept per model, machine, thread count and binding build (backends.load_ggml).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+PROBE_TOKENS = 64
+PROBE_SIZES = (64, 63, 48, 32, 16, 8, 4, 2)  # largest first: a batch above some size may take other kernels
+LONG_CONTEXT = 3072  # ≥ 3,000 tokens: flash attention splits one query across threads from 512 cells
+SHORTEST_LONG = 640  # a model that never attends past this many cells has no long context to probe
+LONG_BATCH = 8  # rows compared at the long context
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What the probe found (kept as a dict in the store's backends.json)."""
+
+    batch_rows: int  # the most rows one llama_decode computes with single steps' bits (a prefill's batches)
+    max_rows: int  # the most a tree may carry (1: no trees)
+    steps_apart: bool = False  # past some context, batches and trees part from single steps
+    threads_apart: bool = False  # one thread computes other bits than the run's count
+    note: str | None = None  # why drafts could change the text here, in a clause; None: they cannot
+
+    @property
+    def invariant(self) -> bool:
+        """A row's bits depend on the tokens alone: drafting, the governor and batched resume all hold."""
+        return self.max_rows > 1 and not self.steps_apart and not self.threads_apart and self.note is None
+
+
+def probe(model) -> Finding:
+    """Probe `model` (a GgmlModel: its forward, `threads` and `set_threads`), apply what holds to it and return it."""
+    found = _probe(model)
+    model.apply(found)
+    return found
+
+
+def _probe(model) -> Finding:
+    """The probe; the model's rows are set to each candidate's as it goes (its forward batches by them)."""
+    model.apply(Finding(batch_rows=1, max_rows=1))
+    rng = np.random.default_rng(0)
+    ids = torch.from_numpy(rng.integers(0, model.vocab, PROBE_TOKENS)).long()
+    cache = model.new_cache(2 * PROBE_TOKENS)
+    try:
+        single = _singles(model, cache, ids, 0)
+        for size in PROBE_SIZES:
+            model.apply(Finding(batch_rows=size, max_rows=1))
+            cache.length = 0
+            if torch.equal(model.forward(ids[:size], torch.arange(size), cache)[0], single[:size]):
+                break
+        else:
+            return Finding(1, 1, note="a batch of tokens computes other bits than single steps in llama.cpp here")
+        rows = size
+        model.apply(Finding(batch_rows=rows, max_rows=rows))
+        k = min(rows // 2, PROBE_TOKENS // 2)
+        if not _tree_agrees(model, cache, ids, single, PROBE_TOKENS - k, k):
+            return Finding(rows, 1, note="a draft tree's rows compute other bits than single steps in llama.cpp here")
+        threads_apart = _other_threads(model, lambda: _batch(model, cache, ids[:rows]), single[:rows])
+    finally:
+        cache.close()
+    return _long_context(model, rows, threads_apart)
+
+
+def _singles(model, cache, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """The logits of `ids` run one token at a time from slot `start` (how plain decoding computes them)."""
+    cache.length = start
+    out = []
+    for i in range(len(ids)):
+        logits, _ = model.forward(ids[i : i + 1], torch.tensor([start + i]), cache)
+        cache.length += 1
+        out.append(logits[0])
+    return torch.stack(out)
+
+
+def _batch(model, cache, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+    cache.length = start
+    return model.forward(ids, start + torch.arange(len(ids)), cache)[0]
+
+
+def _tree_agrees(model, cache, ids: torch.Tensor, single: torch.Tensor, start: int, k: int) -> bool:
+    """A tree after `start` committed tokens whose one path is ids[start:start + k] (a sibling beside every node
+    but the root): do the path's rows equal the single steps `single[start:start + k]`? The context is written a
+    token at a time first, as a plain run holds it."""
+    _singles(model, cache, ids[:start], 0)
+    return torch.equal(_path_tree(model, cache, ids[start : start + k], start), single[start : start + k])
+
+
+def _path_tree(model, cache, path: torch.Tensor, start: int) -> torch.Tensor:
+    """The logits of a tree's path nodes: `path` (k tokens) at slots start.., with a sibling beside every node but
+    the root, verified as one forward after the cache's `start` committed tokens."""
+    k = len(path)
+    tokens = torch.cat([path, (path[1:] + 1) % model.vocab])
+    parent = list(range(-1, k - 1)) + list(range(0, k - 1))
+    depth = list(range(k)) + list(range(1, k))
+    anc = torch.eye(len(tokens), dtype=torch.bool)
+    for i in range(len(tokens)):
+        if parent[i] >= 0:
+            anc[i] |= anc[parent[i]]
+    cache.length = start
+    return model.forward(tokens, start + torch.tensor(depth), cache, anc)[0][:k]
+
+
+def _other_threads(model, run, reference: torch.Tensor) -> bool:
+    """Whether `run()` at one thread computes other bits than `reference` (computed at the run's count)."""
+    if model.threads == 1:
+        return False
+    most = model.threads
+    model.set_threads(1)
+    try:
+        return not torch.equal(run(), reference)
+    finally:
+        model.set_threads(most)
+
+
+def _long_context(model, rows: int, threads_apart: bool) -> Finding:
+    """The same comparisons after a long context: single steps against a batch and a tree of their tokens, and
+    one thread against the run's. Measured 2026-12-04 with flash attention and 2 threads: from ~512 cells a single
+    step's attention is split across threads and a batch's not, so they differ in the last bits."""
+    length = min(LONG_CONTEXT, model.cfg.max_positions - 4 * LONG_BATCH)
+    if length < SHORTEST_LONG:
+        return Finding(rows, rows, threads_apart=threads_apart)
+    rng = np.random.default_rng(1)
+    ids = torch.from_numpy(rng.integers(0, model.vocab, length + LONG_BATCH)).long()
+    cache = model.new_cache(length + 4 * LONG_BATCH)
+    try:
+        model.forward(ids[:length], torch.arange(length), cache, logits_for=slice(0, 0))  # in batch_rows batches
+        new = ids[length:]
+        single = _singles(model, cache, new, length)
+        apart = not torch.equal(_batch(model, cache, new, length), single)
+        if not apart:
+            k = min(LONG_BATCH, rows // 2)
+            apart = not torch.equal(_path_tree(model, cache, new[:k], length), single[:k])
+        threads_apart = threads_apart or _other_threads(model, lambda: _singles(model, cache, new, length), single)
+    finally:
+        cache.close()
+    if apart:
+        return Finding(rows, 1, steps_apart=True, threads_apart=threads_apart,
+                       note=f"after {length} tokens of context a batch computes other bits than single steps in "
+                            f"llama.cpp with {model.threads} threads here")
+    return Finding(rows, rows, threads_apart=threads_apart)
