@@ -135,6 +135,8 @@ def resume(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="The run 
         config_mod.Config(tokens=o.tokens).validate({"tokens": "--tokens"})
     if o.tp is not None:
         config_mod.Config(tp=o.tp).validate({"tp": "--tp"})
+    if o.threads is not None:
+        config_mod.Config(threads=o.threads).validate({"threads": "--threads"})
     m = heavy()  # after the options are checked, as in generate
     here = m.ranks.current
     if here is not None and o.tp is not None and o.tp != here.world:
@@ -150,7 +152,7 @@ def resume(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="The run 
         m.ranks.check_world(world, device)
         raise typer.Exit(m.ranks.launch(world, sys.argv[1:]))
     raise typer.Exit(m.writer.resume(run_dir, o.tokens, o.out, o.force, o.quiet, o.no_live, o.stats_json, world,
-                                     o.edited))
+                                     o.edited, o.threads))
 
 
 @app.command()

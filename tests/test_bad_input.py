@@ -34,7 +34,7 @@ NUMERIC_BAD = [  # (option, value): every numeric option given a non-number, a n
     ("chunk", "abc"), ("chunk", "0"), ("chunk", "-8"),
     ("budget", "abc"), ("budget", "0"), ("budget", "-4"),
     ("context", "abc"), ("context", "-1"),
-    ("threads", "abc"), ("threads", "-1"),
+    ("threads", "abc"), ("threads", "-1"), ("threads", "4096"),  # 4096: more than this machine's cores
     ("seed", "abc"), ("seed", "-1"), ("seed", "1.5"),
     ("draft-kv-budget", "abc"), ("draft-kv-budget", "16"), ("draft-kv-budget", "-1"),  # 16: no room past the sinks
     ("dry-multiplier", "-1"), ("dry-base", "0.5"), ("dry-allowed-length", "0"), ("dry-window", "-1"),
@@ -155,6 +155,7 @@ CASES = [
     ("resume-damaged-config", ["resume", "{run_bad_config}"], 1, None),
     ("resume-tokens-abc", ["resume", "{good_run}", "--tokens", "abc"], 2, None),
     ("resume-tokens-zero", ["resume", "{good_run}", "--tokens", "0"], 2, None),
+    ("resume-threads-above-the-cores", ["resume", "{good_run}", "--threads", "4096"], 2, None),
     ("resume-tokens-below-written", ["resume", "{good_run}", "--tokens", "2"], 2, None),
     ("resume-out-into-missing-dir", ["resume", "{good_run}", "--out", "{tmp}/no/such/out.txt"], 1, None),
 ]

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from .errors import UsageError
+from .machine import cores
 from .options import ATTENTIONS, BY_NAME, OPTIONS
 from .userfiles import Kind, read_text
 
@@ -103,7 +104,9 @@ class Config:
         need(self.weights in WEIGHTS, "weights", f"must be one of {', '.join(WEIGHTS)}")
         need(self.backend in BACKENDS, "backend", f"must be one of {', '.join(BACKENDS)}")
         need(self.attention in ATTENTIONS, "attention", f"must be one of {', '.join(ATTENTIONS)}")
-        need(0 <= self.threads <= 1024, "threads", "must be 0 (torch's default) or a number of threads up to 1024")
+        most = cores()
+        need(0 <= self.threads <= most, "threads", f"must be 0 (every core, fewer while other processes keep them "
+             f"busy) or a number of threads up to this machine's {most} cores")
         need(1 <= self.tp <= 1024, "tp", "must be 1 (one process) or a number of ranks up to 1024")
         need(0 <= self.seed < 1 << 32, "seed", f"must be between 0 and {(1 << 32) - 1}")
         need(not (self.outline and (self.plan or self.plan_only)), "outline",

@@ -172,6 +172,9 @@ RESUME: tuple[Option, ...] = (
     Option("force", bool, False, "", "Resume even if the model or the number of ranks (--tp) changed."),
     # None: the ranks the run was written by (another sums in another order: another text)
     Option("tp", int, None, "N", "Tensor-parallel ranks (default: the run's own; another number needs --force)."),
+    # None: the run's own setting. On a backend whose probe shows the same bits at every count the text is the same;
+    # elsewhere resume says that another count continues it with other text
+    Option("threads", int, None, "N", "CPU threads (default: the run's own setting; 0 = every core, fewer under load)."),
     QUIET, NO_LIVE, STATS_JSON,
     Option("edited", Path, None, "FILE", "Continue from this edited document in a new round; --tokens N then adds N "
            "tokens, appended to FILE (or --out)."),

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from ..base.machine import cores
 from ..tensors.exact import probe_tree
 
 EVERY = 0.25  # seconds between looks at the machine's CPU time: a look costs ~22 us; 0.25 s is 50 ticks of 2 cores
@@ -49,13 +50,6 @@ def machine_busy_seconds() -> float | None:
 def own_seconds() -> float:
     t = os.times()
     return t.user + t.system
-
-
-def cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def wanted(most: int, free: int | float, others: float) -> int:

@@ -98,7 +98,7 @@ def _close(fh) -> None:
         fh.close()
 
 
-def _resume_config(rd: RunDir, tokens: int | None, tp: int) -> Config:
+def _resume_config(rd: RunDir, tokens: int | None, tp: int, threads: int | None = None) -> Config:
     try:
         cfg = resolve_cfg(None, {}, environ={}, base=rd.config)
     except UsageError as e:
@@ -106,13 +106,18 @@ def _resume_config(rd: RunDir, tokens: int | None, tp: int) -> Config:
     # The target: --tokens, else the last checkpoint's (a run extended before), else the one it started with.
     saved = (rd.stats or {}).get("target")
     target = tokens if tokens is not None else saved if plain_int(saved, 1 << 62) else cfg.tokens
-    return dataclasses.replace(cfg, tokens=target, tp=tp).validate({"tokens": "--tokens"} if tokens is not None else None)
+    where = {"threads": "--threads" if threads is not None else "the run's --threads (resume --threads N changes it)"}
+    if tokens is not None:
+        where["tokens"] = "--tokens"
+    return dataclasses.replace(cfg, tokens=target, tp=tp, threads=cfg.threads if threads is None else threads
+                               ).validate(where)
 
 
 def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool, quiet: bool, no_live: bool,
-           stats_json: Path | None, tp: int = 1, edited: Path | None = None) -> int:
+           stats_json: Path | None, tp: int = 1, edited: Path | None = None, threads: int | None = None) -> int:
     """`tp`: the tensor-parallel ranks it runs on (cli.resume checked it against the run's, or was --force).
-    `edited`: continue from this file's text in a new round (rounds.py); --tokens then counts the tokens added."""
+    `edited`: continue from this file's text in a new round (rounds.py); --tokens then counts the tokens added.
+    `threads`: --threads for this resume (None: the run's own)."""
     display = Display(Display.choose(quiet, no_live))
     check_writable(out_path, "--out")
     check_writable(stats_json, "--stats-json")
@@ -121,7 +126,7 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
         check_writable(edited, "--edited")
     rd = RunDir.open(run_dir)
     try:
-        cfg = _opened_run(rd, tokens, out_path, tp, edited, new_text, display)
+        cfg = _opened_run(rd, tokens, out_path, tp, edited, new_text, display, threads)
         if new_text is not None:
             return continue_edited(cfg, rd, edited, new_text, tokens, out_path, force, display, stats_json)
         if tokens is not None and tokens < len(rd.tokens):
@@ -139,14 +144,14 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
 
 
 def _opened_run(rd: RunDir, tokens: int | None, out_path: Path | None, tp: int, edited: Path | None,
-                new_text: str | None, display: Display) -> Config:
+                new_text: str | None, display: Display, threads: int | None = None) -> Config:
     """The checks of an opened run directory against what was asked, and its settings for this resume."""
     ranks.report_run_dir(rd.path)
     if new_text is not None:
         check_continues(rd, edited, new_text)
     elif out_path is not None:
         check_not_edited(rd, out_path)
-    cfg = _resume_config(rd, tokens if new_text is None else None, tp)
+    cfg = _resume_config(rd, tokens if new_text is None else None, tp, threads)
     written_by = ranks.recorded(rd.path)[0]
     if tp != written_by:
         display.info(f"resuming on {tp} tensor-parallel rank{'s' if tp > 1 else ''}, not the run's {written_by} "
@@ -193,6 +198,11 @@ def _continue(cfg: Config, lm: Loaded, rd: RunDir, out_path: Path | None, stats_
                             f"put them ({session.sched.starts}); the run cannot be resumed exactly.")
     for w in session.engine.load_drafter_state(unpack_state(rd.drafter_state())):
         display.info(w)
+    written_on, now = (rd.stats or {}).get("threads"), torch.get_num_threads()
+    if not session.engine.model.abilities.governed and plain_int(written_on, 1 << 10) and written_on != now:
+        display.info(f"{rd.path} was written on {written_on} threads and this backend's bits may follow the thread "
+                     f"count here, so on {now} the text may continue differently; resume with --threads {written_on} "
+                     "to continue it exactly.")
     session.start(rd, rd.prompt_ids + rd.tokens)
     display.info(f"resuming {rd.path} at {len(rd.tokens)}/{cfg.tokens} tokens")
     existing = (rd.path / "output.txt").read_text(encoding="utf-8") if out_path is not None else None
