@@ -24,6 +24,29 @@ from swiftwrite.decoding.window import MIN_FREE, Window
 # DraftTree
 
 
+def test_a_chain_tree_verifies_the_best_child_at_each_depth_and_prices_only_that_path():
+    """Abilities.chains_only (llama.cpp without flash attention): only the first chain keeps single steps' bits."""
+    def fill(tree):
+        tree.reset(1)
+        a = tree.add(0, 5, 0.6, source=0)
+        b = tree.add(0, 7, 0.9, source=1)  # the better first guess, added later
+        b2 = tree.add(b, 8, 0.5, source=1)
+        tree.add(b, 3, 0.7, source=0)  # b's better child
+        tree.add(a, 4, 0.55, source=0)
+        return b, b2
+    chain = DraftTree(chain=True)
+    fill(chain)
+    flat = chain.select(8, max_depth=4)
+    assert flat.tokens.tolist() == [1, 7, 3] and flat.parent.tolist() == [-1, 0, 1]  # a path, nothing beside it
+    assert chain.best_scores(4) == [0.9, 0.7]
+    assert chain.select(1, max_depth=4).tokens.tolist() == [1, 7]  # the budget cuts the chain, best first
+    assert chain.select(8, max_depth=1).tokens.tolist() == [1, 7]
+    assert chain.best(8, 4)[0] == [1, 7, 3]  # the shadow check sees what select would verify
+    full = DraftTree()
+    fill(full)
+    assert full.select(8, max_depth=4).tokens.shape[0] == 6  # the same proposals as a tree: every node
+
+
 def test_sources_adding_the_same_path_share_its_nodes_and_both_source_bits():
     tree = DraftTree()
     tree.reset(1)

@@ -96,7 +96,7 @@ class Engine:
         self.S = torch.zeros(max(capacity, window.context + 1), dtype=torch.long)
         self.n = 0
         self.span = (0, 0)  # (s, b) of the context currently in the cache
-        self.tree = DraftTree()
+        self.tree = DraftTree(chain=model.abilities.chains_only)
         self.forwards = 0
         self.stopped = False
         self.pinned = None  # pin_context(): ids kept between the prompt and the recent tokens after a rebuild

@@ -35,7 +35,10 @@ class Flat:
 
 
 class DraftTree:
-    def __init__(self):
+    def __init__(self, chain: bool = False):
+        """`chain`: verify one path, the best child at each depth (a backend whose rows off a tree's first chain
+        compute other bits than single steps: Abilities.chains_only), not the best nodes anywhere."""
+        self.chain = chain
         self.reset(0)
 
     def reset(self, root_token: int) -> None:
@@ -72,14 +75,32 @@ class DraftTree:
 
     def best_scores(self, max_depth: int) -> list[float]:
         """Scores of non-root nodes within `max_depth`, best first (for choosing the budget)."""
+        if self.chain:
+            return [self.score[i] for i in self._chain(max_depth)]
         return sorted((s for s, d in zip(self.score[1:], self.depth[1:]) if d <= max_depth), reverse=True)
 
     def _best(self, k: int, max_depth: int) -> list[int]:
         """Indices of the `k` best nodes no deeper than `max_depth`, parents before children. Ties go to the
         shallower, then the older node, so a parent always comes before a child that scores as much."""
+        if self.chain:
+            return self._chain(max_depth)[:k]
         order = heapq.nsmallest(k, (i for i in range(1, len(self.token)) if self.depth[i] <= max_depth),
                                 key=lambda i: (-self.score[i], self.depth[i], i))
         return sorted(order, key=lambda i: (self.depth[i], i))
+
+    def _chain(self, max_depth: int) -> list[int]:
+        """The path from the root through the best-scoring child at each depth (ties to the older node), to
+        `max_depth` or a leaf. Scores fall along it, so its first k nodes are the best k-node chain."""
+        best: dict[int, int] = {}
+        for i in range(1, len(self.token)):
+            p = self.parent[i]
+            if p not in best or self.score[i] > self.score[best[p]]:
+                best[p] = i
+        path, node = [], 0
+        while node in best and len(path) < max_depth:
+            node = best[node]
+            path.append(node)
+        return path
 
     def select(self, budget: int, max_depth: int, device="cpu") -> Flat:
         """Keep the root and the `budget` best nodes no deeper than `max_depth`; return them flattened."""

@@ -27,7 +27,7 @@ from ..base.paths import GGUF_FILE, fingerprint
 from . import ggmlmodel, ggmlprobe
 
 TIMED_STEPS = 24  # plain steps timed per candidate (after 8 of warm-up), once per model and machine
-ROWS = "/rows-v4"  # the key of the probe's finding (v4: the loading it holds for, threads and the binding's build)
+ROWS = "/rows-v5"  # the key of the probe's finding (v5: whether paths off a tree's first chain keep the bits)
 
 
 def cpu_extensions() -> list[str]:

@@ -32,6 +32,9 @@ class Abilities:
     max_rows: int | None = None  # most tokens one tree forward computes exactly (llama.cpp: measured); None: any
     steps_apart: bool = False  # single steps compute other bits than batches past some context (llama.cpp with
     # several threads): no trees, and the engine rebuilds the context a step at a time where it ran that way
+    chains_only: bool = False  # only a tree's first chain (the first child of each node, in the forward's row order)
+    # keeps single steps' bits: its other rows sit in cells out of position order, and llama.cpp's attention without
+    # flash attention sums cells in SIMD lanes by cell. The engine verifies one path (DraftTree(chain=True))
     scratch_lengths: bool = True  # a forward may run past the committed tokens (cost curves of later contexts
     # measured ahead); llama.cpp checks each sequence's positions and cannot
     not_exact: str | None = None  # the probe's clause on why drafts could change the text here; None: no such finding

@@ -279,7 +279,7 @@ class GgmlModel:
         f = self.found
         note = f"{f.note}{rebuild_hint()}" if f.note else None
         return Abilities(hidden=False, scratch_lengths=False, max_rows=f.max_rows, steps_apart=f.steps_apart,
-                         not_exact=note, governed=not (f.threads_apart or f.steps_apart))
+                         chains_only=not f.branches, not_exact=note, governed=not (f.threads_apart or f.steps_apart))
 
     @property
     def weight_bytes(self) -> int:

@@ -13,7 +13,11 @@ tokens, and with one thread against the run's, and compares the logits bit for b
 - a long context where a batch or a tree parts from single steps: `steps_apart` (no trees; the engine rebuilds the
   context as the running engine computed it, Engine._rebuild);
 - one thread against the run's: `threads_apart` (no governor; a resume with another --threads could write other
-  text).
+  text);
+- a path that is not the tree's first chain: `branches` false, where its rows part from single steps (without flash
+  attention llama.cpp sums a query's attention over cells in SIMD lanes chosen by the cell, and such a path's
+  cells sit after its siblings', not at its positions; measured on the default model 2026-12-06: 7 of 60 such rows
+  differed in a 460-token run, none of 223 on first chains). The engine then verifies chains only.
 
 The finding is kept per model, machine, thread count and binding build (backends.load_ggml).
 """
@@ -29,7 +33,7 @@ PROBE_TOKENS = 64
 PROBE_SIZES = (64, 63, 48, 32, 16, 8, 4, 2)  # largest first: a batch above some size may take other kernels
 LONG_CONTEXT = 3072  # ≥ 3,000 tokens: flash attention splits one query across threads from 512 cells
 SHORTEST_LONG = 640  # a model that never attends past this many cells has no long context to probe
-LONG_BATCH = 8  # rows compared at the long context
+LONG_BATCH = 16  # rows compared at the long context (a chain's and an off-chain path's too)
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class Finding:
     max_rows: int  # the most a tree may carry (1: no trees)
     steps_apart: bool = False  # past some context, batches and trees part from single steps
     threads_apart: bool = False  # one thread computes other bits than the run's count
+    branches: bool = True  # a path off the tree's first chain keeps single steps' bits (False: chains only)
     note: str | None = None  # why drafts could change the text here, in a clause; None: they cannot
 
     @property
@@ -75,10 +80,12 @@ def _probe(model) -> Finding:
         k = min(rows // 2, PROBE_TOKENS // 2)
         if not _tree_agrees(model, cache, ids, single, PROBE_TOKENS - k, k):
             return Finding(rows, 1, note="a draft tree's rows compute other bits than single steps in llama.cpp here")
+        start = PROBE_TOKENS - k
+        branches = torch.equal(_path_tree(model, cache, ids[start:], start, off_chain=True), single[start:])
         threads_apart = _other_threads(model, lambda: _batch(model, cache, ids[:rows]), single[:rows])
     finally:
         cache.close()
-    return _long_context(model, rows, threads_apart)
+    return _long_context(model, rows, threads_apart, branches)
 
 
 def _singles(model, cache, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -105,19 +112,25 @@ def _tree_agrees(model, cache, ids: torch.Tensor, single: torch.Tensor, start: i
     return torch.equal(_path_tree(model, cache, ids[start : start + k], start), single[start : start + k])
 
 
-def _path_tree(model, cache, path: torch.Tensor, start: int) -> torch.Tensor:
-    """The logits of a tree's path nodes: `path` (k tokens) at slots start.., with a sibling beside every node but
-    the root, verified as one forward after the cache's `start` committed tokens."""
+def _path_tree(model, cache, path: torch.Tensor, start: int, off_chain: bool = False) -> torch.Tensor:
+    """The logits of a tree's path nodes, `path` (k tokens, the root first), verified as one forward after the
+    cache's `start` committed tokens: as the tree's first chain with a decoy sibling beside every node but the
+    root, or (`off_chain`) beside a first chain of decoys, so that its rows come after theirs."""
     k = len(path)
-    tokens = torch.cat([path, (path[1:] + 1) % model.vocab])
-    parent = list(range(-1, k - 1)) + list(range(0, k - 1))
-    depth = list(range(k)) + list(range(1, k))
+    decoys = (path[1:] + 1) % model.vocab
+    if off_chain:
+        tokens = torch.cat([path[:1], decoys, path[1:]])
+        parent = [-1, 0, *range(1, k - 1), 0, *range(k, 2 * k - 2)]
+        rows = [0, *range(k, 2 * k - 1)]
+    else:
+        tokens = torch.cat([path, decoys])
+        parent = [-1, *range(0, k - 1), *range(0, k - 1)]
+        rows = list(range(k))
     anc = torch.eye(len(tokens), dtype=torch.bool)
-    for i in range(len(tokens)):
-        if parent[i] >= 0:
-            anc[i] |= anc[parent[i]]
+    for i in range(1, len(tokens)):  # parents precede children
+        anc[i] |= anc[parent[i]]
     cache.length = start
-    return model.forward(tokens, start + torch.tensor(depth), cache, anc)[0][:k]
+    return model.forward(tokens, start + anc.sum(dim=1) - 1, cache, anc)[0][rows]
 
 
 def _other_threads(model, run, reference: torch.Tensor) -> bool:
@@ -132,13 +145,13 @@ def _other_threads(model, run, reference: torch.Tensor) -> bool:
         model.set_threads(most)
 
 
-def _long_context(model, rows: int, threads_apart: bool) -> Finding:
+def _long_context(model, rows: int, threads_apart: bool, branches: bool) -> Finding:
     """The same comparisons after a long context: single steps against a batch and a tree of their tokens, and
     one thread against the run's. Measured 2026-12-04 with flash attention and 2 threads: from ~512 cells a single
     step's attention is split across threads and a batch's not, so they differ in the last bits."""
     length = min(LONG_CONTEXT, model.cfg.max_positions - 4 * LONG_BATCH)
     if length < SHORTEST_LONG:
-        return Finding(rows, rows, threads_apart=threads_apart)
+        return Finding(rows, rows, threads_apart=threads_apart, branches=branches)
     rng = np.random.default_rng(1)
     ids = torch.from_numpy(rng.integers(0, model.vocab, length + LONG_BATCH)).long()
     cache = model.new_cache(length + 4 * LONG_BATCH)
@@ -147,14 +160,15 @@ def _long_context(model, rows: int, threads_apart: bool) -> Finding:
         new = ids[length:]
         single = _singles(model, cache, new, length)
         apart = not torch.equal(_batch(model, cache, new, length), single)
+        k = min(LONG_BATCH, rows // 2)
         if not apart:
-            k = min(LONG_BATCH, rows // 2)
             apart = not torch.equal(_path_tree(model, cache, new[:k], length), single[:k])
+        branches = branches and torch.equal(_path_tree(model, cache, new[:k], length, off_chain=True), single[:k])
         threads_apart = threads_apart or _other_threads(model, lambda: _singles(model, cache, new, length), single)
     finally:
         cache.close()
     if apart:
-        return Finding(rows, 1, steps_apart=True, threads_apart=threads_apart,
+        return Finding(rows, 1, steps_apart=True, threads_apart=threads_apart, branches=branches,
                        note=f"after {length} tokens of context a batch computes other bits than single steps in "
                             f"llama.cpp with {model.threads} threads here")
-    return Finding(rows, rows, threads_apart=threads_apart)
+    return Finding(rows, rows, threads_apart=threads_apart, branches=branches)
