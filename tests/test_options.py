@@ -188,8 +188,9 @@ def test_resume_and_bench_type_their_numbers_and_fill_their_defaults(monkeypatch
     seen = {}
     monkeypatch.setattr(cli, "heavy", lambda: heavy_stub(seen))
     CliRunner().invoke(cli.app, ["resume", str(tmp_path), "--tokens", "50", "--quiet"])
-    (run_dir, tokens, out, force, quiet, no_live, stats_json, world, edited), _ = seen.pop("resume")
-    assert (tokens, out, force, quiet, no_live, stats_json, world, edited) == (50, None, False, True, False, None, 1, None)
+    (run_dir, tokens, out, force, quiet, no_live, stats_json, world, edited, threads), _ = seen.pop("resume")
+    assert (tokens, out, force, quiet, no_live, stats_json, world, edited, threads) == \
+        (50, None, False, True, False, None, 1, None, None)
     result = CliRunner().invoke(cli.app, ["resume", str(tmp_path), "--tokens", "many"])
     assert str(result.exception) == "--tokens must be a whole number, got 'many'."
     CliRunner().invoke(cli.app, ["bench", "--quick"])

@@ -75,22 +75,7 @@ class Config:
         need(self.template in TEMPLATES, "template", f"must be one of {', '.join(TEMPLATES)}")
         need(self.template != "revise" or bool(self.source), "template",
              "revise rewrites a draft: give the draft with --source FILE")
-        need(self.temperature >= 0, "temperature", "must be 0 (greedy) or positive")
-        need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]; 1 turns it off")
-        need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]; 0 turns it off")
-        need(self.top_k >= 0, "top_k", "must be 0 (off) or positive")
-        need(self.penalty >= 1, "penalty", "must be at least 1 (1 turns it off)")
-        need(self.penalty_window >= 0, "penalty_window", "must be 0 or a positive number of tokens")
-        need(self.dry_multiplier >= 0, "dry_multiplier", "must be 0 (off) or positive")
-        need(self.dry_base >= 1, "dry_base", "must be at least 1")
-        need(self.dry_allowed_length >= 1, "dry_allowed_length", "must be at least 1 token")
-        need(self.dry_window >= 0, "dry_window", "must be 0 (the whole text) or a positive number of tokens")
-        try:
-            breaker_strings(self.dry_breakers)
-        except ValueError as e:
-            need(False, "dry_breakers", str(e))
-        need(self.stop_on_loop == 0 or self.stop_on_loop >= MIN_LOOP, "stop_on_loop",
-             f"must be 0 (off) or at least {MIN_LOOP} tokens (shorter repeats are ordinary phrases)")
+        self._check_sampling(need)
         need(self.chunk >= 1, "chunk", "must be at least 1 token")
         need(self.draft in DRAFT_CHOICES, "draft", f"must be one of {', '.join(DRAFT_CHOICES)}")
         need(self.budget == "auto" or (self.budget.isdigit() and int(self.budget) >= 1), "budget",
@@ -123,6 +108,25 @@ class Config:
         need(not (self.backend == "ggml" and self.tp > 1), "backend",
              "runs llama.cpp in one process; drop --tp, or use --backend torch for tensor parallelism")
         return self
+
+    def _check_sampling(self, need) -> None:
+        """The sampler's settings: temperature, the truncations, the penalty, DRY and the loop alarm."""
+        need(self.temperature >= 0, "temperature", "must be 0 (greedy) or positive")
+        need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]; 1 turns it off")
+        need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]; 0 turns it off")
+        need(self.top_k >= 0, "top_k", "must be 0 (off) or positive")
+        need(self.penalty >= 1, "penalty", "must be at least 1 (1 turns it off)")
+        need(self.penalty_window >= 0, "penalty_window", "must be 0 or a positive number of tokens")
+        need(self.dry_multiplier >= 0, "dry_multiplier", "must be 0 (off) or positive")
+        need(self.dry_base >= 1, "dry_base", "must be at least 1")
+        need(self.dry_allowed_length >= 1, "dry_allowed_length", "must be at least 1 token")
+        need(self.dry_window >= 0, "dry_window", "must be 0 (the whole text) or a positive number of tokens")
+        try:
+            breaker_strings(self.dry_breakers)
+        except ValueError as e:
+            need(False, "dry_breakers", str(e))
+        need(self.stop_on_loop == 0 or self.stop_on_loop >= MIN_LOOP, "stop_on_loop",
+             f"must be 0 (off) or at least {MIN_LOOP} tokens (shorter repeats are ordinary phrases)")
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}  # YAML-safe
