@@ -144,7 +144,7 @@ class GgmlCache:
         params.n_seq_max = MAX_SEQS
         params.kv_unified = True  # the context's cells are shared by every leaf's sequence, not copied
         params.n_threads = params.n_threads_batch = model.threads
-        params.flash_attn_type = model.flash_attn
+        params.flash_attn_type = model.loading.flash_attn
         params.no_perf = True
         self.ctx = lib.llama_init_from_model(model.handle, params)
         if not self.ctx:
@@ -245,7 +245,6 @@ class GgmlModel:
         `loading`: INVARIANT (the path the probe is meant to confirm) or STOCK (llama.cpp's fast paths)."""
         self.lib = lib = binding()
         self.path, self.cfg, self.threads, self.loading = Path(path), cfg, threads, loading
-        self.flash_attn = loading.flash_attn
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self._caches: weakref.WeakSet[GgmlCache] = weakref.WeakSet()  # open contexts: set_threads reaches each
         params = lib.llama_model_default_params()
