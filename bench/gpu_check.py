@@ -230,7 +230,7 @@ def load(model: Path, device: str, dtype: str, attention: str):
 
     # the fingerprint keys cached cost curves: a random stand-in of another shape must not reuse them
     shape = hashlib.sha256((model / "config.json").read_bytes()).hexdigest()[:12]
-    lm = assembly.Loaded(ModelRef(name="random", path=model, fingerprint=f"random-{shape}"), None, None, *pick_device(cfg),
+    lm = assembly.Loaded(ModelRef(name="random", path=model, fingerprint=f"random-{shape}"), None, None, *pick_device(device, dtype),
                         attention=attention)
     lm.model = load_lean(model, lm.device, lm.dtype, attention)
     lm.mcfg = lm.model.cfg
@@ -292,7 +292,7 @@ def run_engine(lm, display, prompt: list[int], n: int, draft: str, settings: dic
     cfg = Config(draft=draft, tokens=n, budget=draft_budget, **settings).validate()
     engine = build_engine(cfg, lm, len(prompt), len(prompt) + n, display)
     engine.start(prompt)
-    fit_budget(engine, lm, cfg, display, upto=len(prompt) + n)
+    fit_budget(engine, lm, upto=len(prompt) + n)
     out, t0 = [], time.perf_counter()
     sync = torch.cuda.synchronize if lm.model.device.type == "cuda" else (lambda: None)
     for step in engine.run(n):

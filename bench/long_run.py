@@ -149,7 +149,7 @@ def probe(run: Path, at: list[int], n: int) -> list[dict]:
             engine = build_engine(cfg, lm, len(prompt), len(prompt) + len(toks) + 1, display)
             with torch.inference_mode():
                 engine.start(prompt + toks[:k])
-                fit_budget(engine, lm, cfg, display, upto=len(prompt) + len(toks))
+                fit_budget(engine, lm, upto=len(prompt) + len(toks))
                 got, t = [], time.perf_counter()
                 for step in engine.run(n):
                     got += step.tokens

@@ -339,20 +339,20 @@ def test_device_and_dtype_choices(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
     said = []
-    assert pick_device(Config(), said.append) == ("cuda", torch.float32) and said == []
-    assert pick_device(Config(dtype="bfloat16"), said.append) == ("cuda", torch.float16)
+    assert pick_device("auto", "auto", said.append) == ("cuda", torch.float32) and said == []
+    assert pick_device("auto", "bfloat16", said.append) == ("cuda", torch.float16)
     assert said == ["--dtype bfloat16: Tesla T4 cannot compute in bfloat16; using float16."]
     said.clear()
-    assert pick_device(Config(device="cpu", dtype="float16"), said.append) == ("cpu", torch.float32)
+    assert pick_device("cpu", "float16", said.append) == ("cpu", torch.float32)
     assert len(said) == 1 and "using float32" in said[0]
     said.clear()
-    assert pick_device(Config(device="cpu", dtype="bfloat16"), said.append) == ("cpu", torch.bfloat16)
+    assert pick_device("cpu", "bfloat16", said.append) == ("cpu", torch.bfloat16)
     assert said == []
-    assert pick_device(Config(device="cpu"), said.append) == ("cpu", torch.float32)
+    assert pick_device("cpu", "auto", said.append) == ("cpu", torch.float32)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert pick_device(Config(), said.append) == ("cuda", torch.bfloat16) and said == []
-    assert pick_device(Config(device="cpu"), said.append) == ("cpu", torch.float32)
-    assert pick_device(Config(dtype="float32"), said.append) == ("cuda", torch.float32)
+    assert pick_device("auto", "auto", said.append) == ("cuda", torch.bfloat16) and said == []
+    assert pick_device("cpu", "auto", said.append) == ("cpu", torch.float32)
+    assert pick_device("auto", "float32", said.append) == ("cuda", torch.float32)
 
 
 def test_quantized_weights_are_refused_where_they_cannot_run(tmp_path):
@@ -368,12 +368,12 @@ def test_quantized_weights_are_refused_where_they_cannot_run(tmp_path):
 
     path, _ = tiny_hf_model("llama", out_dir=tmp_path / "m")
     mcfg = ModelConfig.from_hf(read_hf_config(path))
-    assert pick_weights(Config(), "cuda", mcfg, False) == "float"  # auto: float everywhere
-    assert pick_weights(Config(weights="int4"), "cpu", mcfg, True) == "int4"
+    assert pick_weights("auto", "cuda", mcfg, False) == "float"  # auto: float everywhere
+    assert pick_weights("int4", "cpu", mcfg, True) == "int4"
     with pytest.raises(UserError, match="CPU kernels only; use --device cpu"):
-        pick_weights(Config(weights="int8"), "cuda", mcfg, True)
+        pick_weights("int8", "cuda", mcfg, True)
     with pytest.raises(UserError, match="needs the lean forward.*use --weights float"):
-        pick_weights(Config(weights="int4"), "cpu", mcfg, False)
+        pick_weights("int4", "cpu", mcfg, False)
     old_torch = SimpleNamespace(_weight_int8pack_mm=None)  # int8's kernel, not int4's
     assert quant.kernel_missing("int8", old_torch) is None
     assert "_convert_weight_to_int4pack_for_cpu" in quant.kernel_missing("int4", old_torch)

@@ -260,7 +260,7 @@ def real_run(lm, ids, sampler: dict, **draft):
     cfg = Config(dtype="bfloat16", context=256, tokens=REAL_N, seed=7, **sampler, **draft).validate()
     engine = assembly.build_engine(cfg, lm, len(ids), len(ids) + REAL_N, Display("quiet"))
     engine.start(ids)
-    assembly.fit_budget(engine, lm, cfg, Display("quiet"), upto=len(ids) + REAL_N)
+    assembly.fit_budget(engine, lm, upto=len(ids) + REAL_N)
     steps = list(engine.run(REAL_N))
     return [t for s in steps for t in s.tokens], steps
 

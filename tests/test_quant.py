@@ -326,7 +326,6 @@ def test_a_gguf_type_reads_as_the_closest_setting_at_or_above_its_bits(gguf_type
 
 
 def test_the_quantized_option_is_offered_only_where_it_runs_and_auto_stays_float(tmp_path):
-    from swiftwrite.base.config import Config
     from swiftwrite.run.devices import pick_weights, quantized_option
     from swiftwrite.models.model import ModelConfig, read_hf_config
     from tiny import tiny_hf_model
@@ -338,7 +337,7 @@ def test_the_quantized_option_is_offered_only_where_it_runs_and_auto_stays_float
     assert quantized_option("F16", "cpu", mcfg, True) is None
     assert quantized_option("Q4_1", "cuda", mcfg, True) is None  # torch's kernels are the CPU's
     assert quantized_option("Q4_1", "cpu", mcfg, False) is None  # the transformers path has no quantized layers
-    assert pick_weights(Config(), "cpu", mcfg, True) == "float"
+    assert pick_weights("auto", "cpu", mcfg, True) == "float"
 
 
 def test_a_store_model_knows_the_gguf_type_it_came_from(tmp_path):

@@ -6,7 +6,7 @@ In the order a run pays for them: the model's files, configuration, tokenizer an
 the context window checked against free memory (`make_window`), only then the weights (`load_weights`), then the
 sampler, draft sources and cost curves (`assemble_engine`, `curves_for`; the session fits them as it starts).
 `open_session` does it for a document and returns the Session with a frozen record of what it resolved
-(`Resolved`: the stats and the panel show it) and the settings a resume must run again (`Session.cfg`, built
+(`Resolved`: the stats and the panel show it) and the settings a resume must run again (`Session.settings`, built
 once here; the configuration a caller passes in is never changed).
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..base import measurements
 from ..base.config import Config, breaker_strings
 from ..base.errors import UserError
 from ..base.modelconfig import SUPPORTED_ARCHS, ModelConfig
@@ -39,13 +40,13 @@ from ..models.hfmodel import load_hf
 from ..models.model import load_lean
 from ..models.modelfiles import check_gguf_header, load_tokenizer, model_config
 from ..models.parallel import check_divides
-from ..models.store import ModelRef, home, resolve, source_weights
+from ..models.store import ModelRef, resolve, source_weights
 from ..tensors.exact import check
 from ..tensors.kvcache import KVCache
 from . import ranks, schedule
 from .devices import attention_notes, fit_dtype, free_memory, pick_device, pick_weights, quantized_option, weight_bytes
 from .records import Loaded, Resolved
-from .session import Session
+from .session import Limits, Session
 
 # ---------------------------------------------------------------------------------------------------------
 # What runs
@@ -53,7 +54,7 @@ from .session import Session
 
 def check_device(cfg: Config) -> None:
     """A missing GPU is reported before any model file is read."""
-    pick_device(cfg)
+    pick_device(cfg.device, cfg.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -65,7 +66,7 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
     if ref is None:
         check_gguf_header(Path(cfg.model).expanduser())
         ref = resolve(cfg.model, log=display.info)
-    device, dtype = pick_device(cfg, display.info)
+    device, dtype = pick_device(cfg.device, cfg.dtype, display.info)
     threads = cfg.threads
     if cfg.tp > 1 and device == "cpu" and not threads:
         # each rank its share of the cores: more threads than cores between processes that wait on each other at
@@ -77,8 +78,8 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
     if cfg.tp > 1:
         _check_parallel(cfg, device, mcfg, lean)
     weights, weights_note = _weights(cfg, ref, device, dtype, mcfg, lean)
-    dtype = fit_dtype(cfg, mcfg, device, dtype, display.info, cfg.tp) if weights == "float" else dtype
-    graphs, notes = attention_notes(cfg, device, dtype)  # with the dtype the model will really have
+    dtype = fit_dtype(cfg.dtype, mcfg, device, dtype, display.info, cfg.tp) if weights == "float" else dtype
+    graphs, notes = attention_notes(cfg.attention, cfg.cuda_graphs, device, dtype)  # with the dtype it will have
     for note in notes:
         display.info(note)
     if graphs and cfg.tp > 1:
@@ -95,7 +96,7 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
 
 def _weights(cfg: Config, ref: ModelRef, device: str, dtype, mcfg: "ModelConfig", lean: bool) -> tuple[str, str | None]:
     """The weights that run, and a sentence about them to say once the run starts (or None)."""
-    weights = pick_weights(cfg, device, mcfg, lean)
+    weights = pick_weights(cfg.weights, device, mcfg, lean)
     if cfg.weights != "auto" or cfg.tp != 1:
         return weights, None
     gguf_type = source_weights(ref.path)
@@ -153,6 +154,11 @@ def _load_torch(lm: Loaded, display_log) -> Forward:
         model = load_lean(lm.ref.path, lm.device, lm.dtype, lm.attention, lm.weights, log=display_log)
         return GraphedModel(model) if lm.cuda_graphs else model
     return load_hf(lm.ref.path, lm.device, lm.dtype)
+
+
+def settings(**options) -> Config:
+    """The configuration with these options set and the rest at their defaults, validated (bench sets them in code)."""
+    return Config(**options).validate()
 
 
 def load(cfg: Config, display: Display) -> Loaded:
@@ -291,13 +297,12 @@ def assemble_engine(cfg: Config, lm: Loaded, window: "Window | int", total: int,
         names.remove("heads")  # "all" without heads for this model: the train-free sources alone
     able = model.abilities
     if names and able.pads_trees and able.row_plan is None:  # a float32 CPU model's trees
-        model.set_row_plan(budget_mod.tree_row_plan(model, home() / "row_plans.json", f"{lm.ref.fingerprint}/"
-                                                    f"{torch.get_num_threads()}t/{backends.machine_key()}"))
+        key = f"{lm.ref.fingerprint}/{torch.get_num_threads()}t/{backends.machine_key()}"
+        model.set_row_plan(budget_mod.tree_row_plan(model, measurements.file("row_plans.json"), key))
     sources, stats = make_sources(names, model.cfg.vocab_size, static_tree=cfg.static_tree, heads=heads)
-    stops = suppressed_ids(lm.tok, model.cfg)
     engine = Engine(model, Sampler(sampler_settings(cfg, lm, text_start), model.cfg.vocab_size, model.device), window,
                     sources, stats, budget=fixed_budget(cfg, names, display), capacity=total + 1,
-                    stop_ids=stops if cfg.stop_at_eos else (), bans=ban_list(cfg, lm, window))
+                    stop_ids=suppressed_ids(lm.tok, model.cfg) if cfg.stop_at_eos else (), bans=ban_list(cfg, lm, window))
     if lm.weights_note:
         display.info(lm.weights_note)
         lm.weights_note = None  # once per run, not once per engine (bench builds one per method)
@@ -310,22 +315,18 @@ def load_head_drafter(lm: Loaded, required: bool, display: Display, cfg: Config 
                       window: "Window | None" = None):
     """The heads factory for this model (its own trained heads, else the shipped ones), or None. Missing or
     unusable heads are an error for --draft heads and a notice for --draft all."""
-    able = lm.model.abilities
+    able, why = lm.model.abilities, None
     if not able.hidden:  # llama.cpp exposes no state before the final norm
-        if required:
-            raise UserError("multi-token heads need the torch backend's hidden states; use --backend torch, or "
-                            "--draft all.")
-        return None
-    if not able.lean:
-        if required:
-            raise UserError(f"multi-token heads need the lean forward, and {lm.ref.name} ('{lm.mcfg.arch}') runs through "
-                            "transformers; use --draft all or recycling.")
-        return None
-    path = default_heads_path(lm.ref.fingerprint)
-    if path is None:
-        if required:
-            raise UserError(f"no trained heads match {lm.ref.name}; train them with `swiftwrite train-heads --model "
-                            f"{lm.ref.name} --self-distill` or use --draft all.")
+        why = "multi-token heads need the torch backend's hidden states; use --backend torch, or --draft all."
+    elif not able.lean:
+        why = (f"multi-token heads need the lean forward, and {lm.ref.name} ('{lm.mcfg.arch}') runs through "
+               "transformers; use --draft all or recycling.")
+    elif (path := default_heads_path(lm.ref.fingerprint)) is None:
+        why = (f"no trained heads match {lm.ref.name}; train them with `swiftwrite train-heads --model {lm.ref.name} "
+               "--self-distill` or use --draft all.")
+    if why and required:
+        raise UserError(why)
+    if why:
         return None
     try:
         heads = load_heads(path, lm.model, lm.ref.fingerprint)
@@ -352,13 +353,11 @@ def curves_for(lm: Loaded) -> Curves:
     key += f"/tp{lm.tp}" if lm.tp > 1 else ""  # a sharded forward costs its products / tp plus the all-reduces
     able = lm.model.abilities
     plan = able.row_plan if able.pads_trees and able.row_plan else None
-    return Curves(home() / "cost_curves.json", key, plan, able.scratch_lengths)
+    return Curves(measurements.file("cost_curves.json"), key, plan, able.scratch_lengths)
 
 
-def fit_budget(engine: "Engine", lm: Loaded, cfg: Config | None = None, display: Display | None = None,
-               upto: int | None = None) -> None:
-    """Give an automatic-budget engine its cost curves (curves.Curves.fit), for callers that build the engine
-    themselves (bench, the tests)."""
+def fit_budget(engine: "Engine", lm: Loaded, upto: int | None = None) -> None:
+    """Give an automatic-budget engine its cost curves, for callers that build the engine themselves (bench, tests)."""
     curves_for(lm).fit(engine, upto)
 
 
@@ -380,14 +379,15 @@ def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan |
     # what a resume must run again: `auto` resolved (the dtype memory allowed, the backend timed here, the ranks'
     # thread share), as the run directory records it
     settings = dataclasses.replace(cfg, dtype=dtype_name(lm.dtype), weights=lm.weights, backend=lm.backend,
-                                   threads=lm.threads).validate()
-    resolved = Resolved(model=lm.ref.name, fingerprint=lm.ref.fingerprint, device=lm.device, dtype=settings.dtype,
+                                   threads=lm.threads).validate().to_dict()
+    resolved = Resolved(model=lm.ref.name, fingerprint=lm.ref.fingerprint, device=lm.device, dtype=settings["dtype"],
                         weights=lm.weights, backend=lm.backend, attention=lm.attention, cuda_graphs=lm.cuda_graphs,
                         threads=lm.threads, tp=lm.tp, context=window.context,
                         drafting=tuple(src.name for src in engine.sources),
                         budget=str(engine.budget) if engine.budget is not None else "auto" if engine.sources else "none",
                         drafting_off=why, bans=len(engine.bans.phrases) if engine.bans else 0)
-    return Session(settings, lm, engine, sched, display, resolved, curves_for(lm))
+    limits = Limits(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Limits)})  # as asked, not resolved
+    return Session(settings, limits, lm, engine, sched, display, resolved, curves_for(lm))
 
 
 def planning_engine(cfg: Config, lm: Loaded, prompt_len: int, context: int, capacity: int) -> Engine:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..base.config import Config
 from ..base.errors import UsageError, UserError
+from ..base.options import OPTIONS, defaults
 from ..base.hf import transformers
 from ..base.metrics import distinct, distinct_n, first_divergence, longest_repeat, median, speedup
 from ..io import prompt
@@ -30,7 +30,7 @@ from ..tensors.weightfiles import keep_float_copy
 from . import assembly
 from .assembly import build_engine, fit_budget
 
-# name -> the Config fields it sets; None: a peer (transformers generate, llama.cpp's own loop on the same GGUF)
+# name -> the configuration fields it sets; None: a peer (transformers generate, llama.cpp's own loop on the same GGUF)
 METHODS = {
     "hf": None,
     "hf-lookup": None,
@@ -53,6 +53,7 @@ QUICK = ["llama.cpp", "hf", "none", "all"]
 DEFAULT = ["llama.cpp", "llama.cpp-lookup", "hf", "hf-lookup", "none", "recycling", "ngram", "heads", "all", "all-b4",
            "all-b16"]
 PEERS = ("hf", "hf-lookup", "llama.cpp", "llama.cpp-lookup")
+PENALTY_WINDOW = defaults(OPTIONS)["penalty_window"]  # swiftwrite's; transformers' penalty counts the whole text
 SETTINGS = {
     "greedy": dict(temperature=0.0, min_p=0.0, penalty=1.2),
     "sample": dict(temperature=0.7, min_p=0.1, penalty=1.2),
@@ -199,7 +200,7 @@ def run(methods: list[str], settings: list[str], prompts: list[str], tokens: int
     validate(methods, settings, repeats, tokens, out)
     check_workloads(prompts)
     display = Display("quiet")
-    lm = assembly.open_model(Config(model=model), display)  # tokenizer and shape: the prompts are checked first
+    lm = assembly.open_model(assembly.settings(model=model), display)  # tokenizer and shape: the prompts are checked first
     prompt_ids, text_start = {}, {}
     for p in prompts:
         ids, start = workload_ids(lm.tok, p)
@@ -273,10 +274,10 @@ def run_one(method, setting, ids, n, lm, peers, display, text_start=0):
             y = hf.generate(x, attention_mask=torch.ones_like(x), **kw)
         secs = time.perf_counter() - t
         return One(secs, y[0, len(ids):].tolist())
-    cfg = Config(tokens=n, **METHODS[method], **setting).validate()
+    cfg = assembly.settings(tokens=n, **METHODS[method], **setting)
     engine = build_engine(cfg, lm, len(ids), len(ids) + n, display, text_start)
     engine.start(ids)
-    fit_budget(engine, lm, cfg, display, upto=len(ids) + n)
+    fit_budget(engine, lm, upto=len(ids) + n)
     per = {s.name: 0 for s in engine.sources}
     toks, trace = [], []
     t = time.perf_counter()
@@ -319,11 +320,11 @@ def _report(results, methods, settings, prompt_ids, tokens, repeats, lm) -> dict
         })
     return {
         "date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": lm.ref.name, "fingerprint": lm.ref.fingerprint,
-        "backend": getattr(lm, "backend", "torch"),
+        "backend": lm.backend,
         "tokens": tokens, "repeats": repeats, "prompts": {k: len(v) for k, v in prompt_ids.items()},
-        "settings": {s: SETTINGS[s] for s in settings}, "penalty_window": Config().penalty_window,
+        "settings": {s: SETTINGS[s] for s in settings}, "penalty_window": PENALTY_WINDOW,
         "note": "hf methods: transformers generate, repetition_penalty over the whole sequence (swiftwrite: last "
-                f"{Config().penalty_window} tokens); llama.cpp methods: llama-cpp-python's own loop and sampler on the "
+                f"{PENALTY_WINDOW} tokens); llama.cpp methods: llama-cpp-python's own loop and sampler on the "
                 "same GGUF (repeat penalty over its last 256 tokens, no DRY); "
                 "peers' text differs, so no divergence check.",
         "rows": rows,

@@ -1,14 +1,8 @@
-"""Device, dtype and memory: where the model runs, in which dtype, and whether its weights fit what is free.
-
-torch is imported inside the functions that use it, so that the checks of the user's input that come first
-stay fast (see writer.py).
-"""
+"""Device, dtype and memory: where the model runs, in which dtype, and whether its weights fit what is free."""
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..base.errors import UserError
@@ -17,22 +11,23 @@ from ..io.ui import dtype_name, human_bytes
 from ..tensors.attention import attention_plan
 from ..tensors.quant import kernel_missing, unpackable
 
-if TYPE_CHECKING:  # named in annotations only: these rules read a validated configuration's fields
-    from ..base.config import Config
+# These rules take the option values they read (--device, --dtype, --weights, ...), not the configuration: the
+# assembly, which holds the validated configuration, passes them in.
 
-def pick_device(cfg: "Config", say=lambda msg: None) -> tuple[str, "torch.dtype"]:
-    """The device and dtype for `cfg`. `auto` is bfloat16 on a GPU that computes in it (half the bytes every step
-    reads, and an 8B model fits a 24 GB card) and float32 elsewhere: on the development CPU bfloat16 runs slower
-    than float32 (README "Half precision"). bfloat16 writes another text than float32, and its speculative output
+
+def pick_device(asked_device: str, asked_dtype: str, say=lambda msg: None) -> tuple[str, "torch.dtype"]:
+    """The device and dtype for --device `asked_device` and --dtype `asked_dtype`. `auto` is bfloat16 on a GPU
+    that computes in it (half the bytes every step reads, and an 8B model fits a 24 GB card) and float32 elsewhere:
+    on the development CPU bfloat16 runs slower than float32 (README "Half precision"). bfloat16 writes another text than float32, and its speculative output
     equals its own plain decoding by construction (exact.py; a run that drafts checks it at start-up and drafts only
     where it holds, saying so otherwise). A dtype the device cannot run well falls back, with a
     sentence to `say`; an explicit --device cuda without a GPU is an error rather than a silent switch to the
     CPU, where a run meant for a GPU would take many times longer."""
-    if cfg.device == "cuda" and not torch.cuda.is_available():
+    if asked_device == "cuda" and not torch.cuda.is_available():
         why = "this torch is a CPU-only build" if torch.version.cuda is None else "torch sees no CUDA GPU (driver?)"
         raise UserError(f"--device cuda was asked for, but {why}; use --device cpu (or auto).")
-    device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
-    name = cfg.dtype
+    device = "cuda" if asked_device == "cuda" or (asked_device == "auto" and torch.cuda.is_available()) else "cpu"
+    name = asked_dtype
     if name == "auto":
         name = "bfloat16" if device == "cuda" and torch.cuda.is_bf16_supported() else "float32"
     if device == "cpu" and name == "float16":
@@ -83,15 +78,15 @@ def quantized_option(gguf_type: str | None, device: str, mcfg: "ModelConfig", le
     return w
 
 
-def pick_weights(cfg: "Config", device: str, mcfg: "ModelConfig", lean: bool) -> str:
+def pick_weights(asked: str, device: str, mcfg: "ModelConfig", lean: bool) -> str:
     """config.WEIGHTS resolved: "float", "int8" or "int4"; a quantized setting this model or machine cannot run is
     refused with one sentence (before any weight is read) rather than silently run as float, whose text differs.
     `auto` is float: int4 writes 2.1-2.3x as fast on the dev CPU, but its text turned to glued words sooner in 3 of
     4 sampled 10K runs (README "Quantized weights"); open_model says so when a model came as a quantized GGUF, and
     there runs the GGUF's own bits instead when its float weights would not fit the free memory."""
-    if cfg.weights in ("auto", "float"):
+    if asked in ("auto", "float"):
         return "float"
-    w = cfg.weights
+    w = asked
     if not lean:
         raise UserError(f"--weights {w} needs the lean forward, and '{mcfg.arch}' runs through transformers; "
                         "use --weights float.")
@@ -115,10 +110,10 @@ def free_memory(device: str) -> int | None:
     return int(torch.cuda.mem_get_info()[0])
 
 
-def fit_dtype(cfg: "Config", mcfg: "ModelConfig", device: str, dtype, say, world: int = 1) -> "torch.dtype":
+def fit_dtype(asked_dtype: str, mcfg: "ModelConfig", device: str, dtype, say, world: int = 1) -> "torch.dtype":
     """Where `--dtype auto` is float32 (a CPU, a GPU without bfloat16) and float32 weights do not fit the free memory
     but half-size ones do, half it is, with that said (an 8B model: 32 GB in float32, 16 GB in a half dtype)."""
-    if cfg.dtype != "auto" or dtype != torch.float32:
+    if asked_dtype != "auto" or dtype != torch.float32:
         return dtype
     free = free_memory(device)
     if free is None or weight_bytes(mcfg, dtype, world=world) <= 0.9 * free:
@@ -132,10 +127,11 @@ def fit_dtype(cfg: "Config", mcfg: "ModelConfig", device: str, dtype, say, world
     return half
 
 
-def attention_notes(cfg: "Config", device: str, dtype) -> tuple[bool, list[str]]:
-    """Whether CUDA graphs will be used, and a sentence for each GPU option that cannot be honoured here."""
-    tree, _, notes = attention_plan(cfg.attention, device, dtype)
-    graphs = cfg.cuda_graphs
+def attention_notes(attention: str, cuda_graphs: bool, device: str, dtype) -> tuple[bool, list[str]]:
+    """Whether CUDA graphs will be used (--cuda-graphs `cuda_graphs`), and a sentence for each GPU option that cannot
+    be honoured here."""
+    tree, _, notes = attention_plan(attention, device, dtype)
+    graphs = cuda_graphs
     if graphs and device != "cuda":
         notes.append("--cuda-graphs: needs a CUDA GPU; running without graphs.")
         graphs = False

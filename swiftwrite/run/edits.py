@@ -11,9 +11,7 @@ plan (schedule.Plan.fixed_starts), so a resume inside the round places every hea
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..base.errors import UsageError, UserError
 from ..base.userfiles import Kind, read_text
@@ -21,12 +19,10 @@ from ..io import rounds
 from ..io.prompt import TextStream
 from ..io.rundir import RunDir
 from ..io.ui import Display
-from ..models.store import resolve
 from . import outline as outlines
 from . import schedule
-from .assembly import check_device, open_model, open_session
 from .runstats import RunStats
-from .session import open_out, unpack_state
+from .session import Session, open_out, unpack_state
 
 
 EDITED = Kind("--edited", "give the document file you edited",
@@ -34,9 +30,6 @@ EDITED = Kind("--edited", "give the document file you edited",
               binary="{name} {path} is not text (it contains NUL bytes); give the edited document as UTF-8 text.",
               not_utf8="{name} {path} is not UTF-8 text (byte {byte}); save it as UTF-8 and try again.",
               empty="{name} {path} is empty; to start over, start a new run instead.")
-
-if TYPE_CHECKING:  # named in annotations only: the writer validated it, and this module passes it on
-    from ..base.config import Config
 
 
 def read_edited(path: Path) -> str:
@@ -76,35 +69,25 @@ def plan_of(rd: RunDir) -> schedule.Plan | None:
                         "start it again with the same outline.") from None
 
 
-def continue_edited(cfg: "Config", rd: RunDir, edited: Path, text: str, more: int | None, out_path: Path | None,
-                    force: bool, display: Display, stats_json: Path | None) -> int:
-    left = cfg.tokens - len(rd.tokens)
+def tokens_to_add(rd: RunDir, target: int, more: int | None, edited: Path) -> int:
+    """How many tokens the new round writes after the edited text: --tokens N, else what the run had still to write."""
+    left = target - len(rd.tokens)
     if more is None and left <= 0:
         raise UsageError(f"{rd.path} is complete; pass --tokens N to say how many tokens to add after {edited}.")
-    more = more if more is not None else left
-    plan = plan_of(rd)
-    check_device(cfg)
-    ref = resolve(cfg.model, log=display.info)
-    if ref.fingerprint != rd.fingerprint and not force:
-        raise UserError(f"{rd.path} was written with another model (fingerprint {rd.fingerprint}, now "
-                        f"{ref.fingerprint}); use --force to continue from the edited text with this one.")
-    lm = open_model(cfg, display, ref)
-    if rd.text_damaged:
-        rd.replace_text(rebuilt_text(rd, lm.tok))
-    ids = [int(i) for i in lm.tok(text, add_special_tokens=False)["input_ids"]]
-    if ids and max(ids) >= lm.mcfg.vocab_size:
-        raise UserError(f"the tokenizer in {lm.ref.path} produced token id {max(ids)}, but the model has only "
-                        f"{lm.mcfg.vocab_size} embeddings; re-download or re-convert the model.")
-    if plan is not None:
-        plan = continued_plan(plan, text, ids, token_finder(lm.tok, ids), more, f"{rd.path / 'outline.md'}")
-    cfg = dataclasses.replace(cfg, tokens=len(ids) + more).validate()
-    session = open_session(cfg, lm, len(rd.prompt_ids), plan, display)
+    return more if more is not None else left
+
+
+def write_round(session: Session, rd: RunDir, edited: Path, text: str, ids: list[int], plan: schedule.Plan | None,
+                out_path: Path | None, display: Display, stats_json: Path | None) -> int:
+    """The new round, written: `session` (the writer opened it for `ids`, the edited text's tokens, and the plan
+    continued_plan made of the run's) starts from the edited text and appends to `edited`, or writes --out."""
     if session.sched:
         session.sched.replay(ids)
     for w in session.engine.load_drafter_state(unpack_state(rd.drafter_state())):
         display.info(w)
     edit_at = rounds.edit_start(rd.tokens, ids)
-    rd.begin_round(ids, text, {"target": cfg.tokens, "text_pending_tokens": 0, "edit_at": edit_at,
+    target = session.limits.tokens
+    rd.begin_round(ids, text, {"target": target, "text_pending_tokens": 0, "edit_at": edit_at,
                                "earlier_processes": RunStats.history_of(rd.stats),
                                **({"sections": {"count": len(plan.sections), "starts": session.sched.starts}} if plan else {})},
                    edit_at, outline=plan.to_json() if plan else None,
@@ -115,7 +98,7 @@ def continue_edited(cfg: "Config", rd: RunDir, edited: Path, text: str, more: in
         where = f", in section {k + 1} of {len(plan.sections)} ('{plan.sections[k].title}'; budgets adjusted: " \
                 f"{rd.path / rounds.ROUNDS / str(rd.round) / 'outline.md'})"
     display.info(f"round {rd.round} of {rd.path}: continuing from {edited} ({len(ids)} tokens, edited from token "
-                 f"{edit_at}) to {cfg.tokens} tokens{where}")
+                 f"{edit_at}) to {target} tokens{where}")
     session.start(rd, rd.prompt_ids + rd.tokens)
     out = open_out(out_path, text) if out_path is not None else _append_to(edited)
     try:

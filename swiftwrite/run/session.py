@@ -16,7 +16,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -36,9 +35,6 @@ from . import schedule
 from .interrupts import Interrupt, interrupted_before_the_loop, lost, resume_command, until_a_rank_is_lost
 from .records import Loaded, Resolved
 from .runstats import RunStats, plain_int
-
-if TYPE_CHECKING:  # named in annotations only: the session reads the settings the assembly built, never edits them
-    from ..base.config import Config
 
 # ---------------------------------------------------------------------------------------------------------
 # Drafter state in a checkpoint
@@ -82,11 +78,23 @@ class _Writing:
     armed: bool = True  # --stop-on-loop may stop the run (see Session._begin)
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What the write loop reads of the run's settings (config.Config's fields of these names)."""
+
+    tokens: int  # the target
+    chunk: int  # tokens between checkpoints
+    stop_on_loop: int  # end the run at a verbatim repeat this long (0: never)
+    threads: int  # 0: governed by load
+    dry_multiplier: float  # named in the loop alarm's advice
+
+
 @dataclass
 class Session:
     """A document's turn at the engine, as assembly.open_session put it together."""
 
-    cfg: "Config"  # the run's settings as the run directory records them (`auto` resolved); never changed
+    settings: dict  # the run's settings as the run directory records them (`auto` resolved): what a resume runs again
+    limits: Limits
     lm: Loaded
     engine: Engine
     sched: schedule.Schedule | None
@@ -99,7 +107,7 @@ class Session:
         with interrupted_before_the_loop(rd):
             self.engine.start(ids)
             if self.curves is not None:
-                self.curves.fit(self.engine, upto=len(rd.prompt_ids) + self.cfg.tokens)
+                self.curves.fit(self.engine, upto=len(rd.prompt_ids) + self.limits.tokens)
 
     # -- what the panel, the checkpoints and the stats JSON show, all read from RunStats
 
@@ -187,7 +195,7 @@ class Session:
 
     def _begin(self, rd: RunDir, out) -> _Writing:
         """What a write follows from step to step, picked up where the run directory left off."""
-        cfg = self.cfg
+        cfg = self.limits
         st = RunStats.of(rd, cfg.tokens, self.engine.sources)
         prev = rd.stats or {}
         stream = TextStream(self.lm.tok, rd.prompt_ids + rd.tokens, pending=plain_int(prev.get("text_pending_tokens"), st.done))
@@ -218,7 +226,7 @@ class Session:
         if self._loops(w, step.tokens):
             st.stopped = "loop"
             return False
-        if st.since >= self.cfg.chunk and st.done < st.target:  # the last chunk is the final checkpoint (_end)
+        if st.since >= self.limits.chunk and st.done < st.target:  # the last chunk is the final checkpoint (_end)
             self._checkpoint(w)
         display.update(self.progress(st, w.rd))
         if w.gov is not None and (moved := w.gov.tick()):
@@ -227,7 +235,7 @@ class Session:
 
     def _loops(self, w: _Writing, tokens: list[int]) -> bool:
         """Follow the text's verbatim repeat, warn once per loop; True: --stop-on-loop ends the run here."""
-        st, cfg = w.st, self.cfg
+        st, cfg = w.st, self.limits
         st.repeat = w.watch.extend(tokens)
         if st.repeat == 0:  # under the floor: the loop (if any) has ended, the next one is news
             w.warned, w.armed = False, True
@@ -287,7 +295,7 @@ class Session:
 
     def _finish(self, w: _Writing, stats_json: Path | None) -> int:
         """After the last checkpoint: the summary, --stats-json, and the exit code (3: stopped by a loop)."""
-        out, st, rd, cfg, display = w.out, w.st, w.rd, self.cfg, self.display
+        out, st, rd, cfg, display = w.out, w.st, w.rd, self.limits, self.display
         try:
             if out is sys.stdout and sys.stdout.isatty():
                 out.write("\n")  # the shell prompt on a line of its own; not part of the document

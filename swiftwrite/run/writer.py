@@ -30,7 +30,8 @@ from . import outline as outlines
 from . import ranks, schedule
 from .assembly import Loaded, check_device, load_weights, make_window, open_model, open_session, planning_engine
 from .inputs import Inputs, check_writable
-from .edits import check_continues, check_not_edited, continue_edited, plan_of, read_edited, rebuilt_text
+from .edits import (check_continues, check_not_edited, continued_plan, plan_of, read_edited, rebuilt_text, token_finder,
+                    tokens_to_add, write_round)
 from .session import open_out, plain_int, unpack_state
 
 # ---------------------------------------------------------------------------------------------------------
@@ -52,16 +53,13 @@ def generate(inputs: Inputs, quiet: bool, no_live: bool) -> int:
     ids = prompt_ids(lm.tok, text, cfg.raw)
     plan = schedule.Plan.build(sections, budgets, lambda t: lm.tok(t, add_special_tokens=False)["input_ids"]) \
         if sections else None
-    if ids and max(ids) >= lm.mcfg.vocab_size:
-        raise UserError(f"the tokenizer in {lm.ref.path} produced token id {max(ids)}, but the model has only "
-                        f"{lm.mcfg.vocab_size} embeddings: tokenizer and weights do not belong together; "
-                        "re-download or re-convert the model.")
+    _check_ids(lm, ids)
     session = open_session(cfg, lm, len(ids), plan, display)
     out = open_out(out_path)
     try:
-        # The run records the settings it really uses (session.cfg): `auto` may have become bfloat16 for lack of
+        # The run records the settings it really uses (session.settings): `auto` may have become bfloat16 for lack of
         # memory, the faster backend here, and a resume must not pick others when memory or the machine differ then.
-        rd = RunDir.create(path, session.cfg.to_dict(), text, ids, lm.ref.fingerprint, outline=plan.to_json() if plan else None,
+        rd = RunDir.create(path, session.settings, text, ids, lm.ref.fingerprint, outline=plan.to_json() if plan else None,
                            outline_md=outlines.render(sections, budgets) if plan else "")
         try:
             ranks.report_run_dir(rd.path)
@@ -91,6 +89,13 @@ def _plan(cfg: Config, lm: Loaded, brief: str, out_path: Path | None, display: D
         finally:
             _close(fh)
     return sections
+
+
+def _check_ids(lm: Loaded, ids: list[int]) -> None:
+    if ids and max(ids) >= lm.mcfg.vocab_size:
+        raise UserError(f"the tokenizer in {lm.ref.path} produced token id {max(ids)}, but the model has only "
+                        f"{lm.mcfg.vocab_size} embeddings: tokenizer and weights do not belong together; "
+                        "re-download or re-convert the model.")
 
 
 def _close(fh) -> None:
@@ -128,7 +133,7 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
     try:
         cfg = _opened_run(rd, tokens, out_path, tp, edited, new_text, display, threads)
         if new_text is not None:
-            return continue_edited(cfg, rd, edited, new_text, tokens, out_path, force, display, stats_json)
+            return _continue_edited(cfg, rd, edited, new_text, tokens, out_path, force, display, stats_json)
         if tokens is not None and tokens < len(rd.tokens):
             raise UsageError(f"--tokens {tokens} is less than the {len(rd.tokens)} tokens already written; give a larger target.")
         complete = len(rd.tokens) >= cfg.tokens
@@ -211,6 +216,21 @@ def _continue(cfg: Config, lm: Loaded, rd: RunDir, out_path: Path | None, stats_
         return session.write(rd, out, stats_json)
     finally:
         _close(out)
+
+
+def _continue_edited(cfg: Config, rd: RunDir, edited: Path, text: str, more: int | None, out_path: Path | None,
+                     force: bool, display: Display, stats_json: Path | None) -> int:
+    """resume --edited: a new round from the edited document's `text` (edits.py has its rules); `more`: --tokens."""
+    more = tokens_to_add(rd, cfg.tokens, more, edited)
+    plan = plan_of(rd)
+    lm = _reopen_model(cfg, rd, force, False, display)
+    ids = [int(i) for i in lm.tok(text, add_special_tokens=False)["input_ids"]]
+    _check_ids(lm, ids)
+    if plan is not None:
+        plan = continued_plan(plan, text, ids, token_finder(lm.tok, ids), more, f"{rd.path / 'outline.md'}")
+    session = open_session(dataclasses.replace(cfg, tokens=len(ids) + more).validate(), lm, len(rd.prompt_ids), plan,
+                           display)
+    return write_round(session, rd, edited, text, ids, plan, out_path, display, stats_json)
 
 
 # ---------------------------------------------------------------------------------------------------------
