@@ -48,6 +48,73 @@ class _Positions:
         return self.buf[: self.n]
 
 
+class _GramIndex:
+    """Every end position of each `A`-gram of the history, in the memory a long run can afford.
+
+    Most grams of a long text occur once (the loop alarm's 16-grams nearly all, DRY's 3-grams most): a dict of
+    bytes keys to arrays cost ~400 and ~230 bytes a token, 0.6 KB a token together, which was the resident set's
+    growth over a 100K run. Here a gram seen once takes one slot of a numpy open-addressing table (its end
+    position; at most half the slots full), and only a repeated gram gets a growable array. A slot is found by the
+    hash of the gram's bytes and confirmed by comparing the gram with the history at the slot's position, so two
+    grams never share one: the positions returned are exactly the dict's."""
+
+    __slots__ = ("A", "pos", "used", "many")
+
+    def __init__(self, A: int):
+        self.A = A
+        self.pos = np.full(1024, -1, dtype=np.int64)  # a gram's first end position; -1: a free slot
+        self.used = 0
+        self.many: dict[int, _Positions] = {}  # slot -> every end position, for grams seen more than once
+
+    def _slot(self, key: bytes, h: np.ndarray) -> tuple[int, bool]:
+        """The slot holding the gram whose bytes are `key`, or the free slot it would take; whether it holds it."""
+        mask, A = self.pos.shape[0] - 1, self.A
+        s = hash(key) & mask
+        while True:
+            p = int(self.pos[s])
+            if p < 0:
+                return s, False
+            if h[p - A + 1 : p + 1].astype(np.int64, copy=False).tobytes() == key:
+                return s, True
+            s = (s + 1) & mask
+
+    def get(self, key: bytes, h: np.ndarray) -> np.ndarray:
+        """The sorted end positions of the gram (`key`: its int64 bytes) in the history `h`."""
+        s, found = self._slot(key, h)
+        if not found:
+            return EMPTY
+        many = self.many.get(s)
+        return many.view() if many is not None else self.pos[s : s + 1]
+
+    def add(self, key: bytes, h: np.ndarray, i: int) -> np.ndarray:
+        """Record that the gram ended at i (after every earlier end); its earlier end positions, as get() gives."""
+        s, found = self._slot(key, h)
+        if not found:
+            self.pos[s] = i
+            self.used += 1
+            if 2 * self.used > self.pos.shape[0]:
+                self._grow(h)
+            return EMPTY
+        many = self.many.get(s)
+        if many is None:
+            many = self.many[s] = _Positions()
+            many.append(int(self.pos[s]))
+        occ = many.view()
+        many.append(i)
+        return occ
+
+    def _grow(self, h: np.ndarray) -> None:
+        old, many, A = self.pos, self.many, self.A
+        self.pos = np.full(2 * old.shape[0], -1, dtype=np.int64)
+        self.many = {}
+        for s in np.flatnonzero(old >= 0).tolist():
+            p = int(old[s])
+            t, _ = self._slot(h[p - A + 1 : p + 1].astype(np.int64, copy=False).tobytes(), h)
+            self.pos[t] = p
+            if s in many:
+                self.many[t] = many[s]
+
+
 @dataclass(frozen=True)
 class Matches:
     """The earlier occurrences of a text's ending: `ends` (sorted end positions e < i) and `lens`, each match's
@@ -82,7 +149,7 @@ class Repeats:
 
     def reset(self) -> None:
         self.n = 0  # tokens indexed so far
-        self._index: dict[bytes, _Positions] = {}
+        self._index = _GramIndex(self.min_len)
         self.current = Matches.none(-1)
         self._tail = EMPTY
 
@@ -103,12 +170,8 @@ class Repeats:
         if key is None:
             self.current = Matches.none(i)
         else:
-            slot = self._index.get(key)
-            occ = slot.view() if slot is not None else EMPTY
+            occ = self._index.add(key, h, i)
             self.current = self._grow(self.current, occ, i)
-            if slot is None:
-                slot = self._index[key] = _Positions()
-            slot.append(i)
         self.n = i + 1
 
     # -- one step, for committed tokens and tree nodes alike ---------------------------------------------
@@ -151,8 +214,7 @@ class Repeats:
         key = self._key(gram, i)
         if key is None:
             return Matches.none(i)
-        slot = self._index.get(key)
-        occ = slot.view() if slot is not None else EMPTY
+        occ = self._index.get(key, h)
         # occurrences ending inside the node's own path (after the committed text, before the node)
         inside = [e for e in range(max(n, A - 1), i) if np.array_equal(virtual(h, n, ext, e - A + 1, e + 1), gram)]
         if inside:
