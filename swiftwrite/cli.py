@@ -116,7 +116,7 @@ def generate(
         if run["tp"] is not None and cfg.tp != here.world:
             raise UsageError(f"--tp {cfg.tp} was given, but this command runs as {here.world} ranks; give the same "
                              "number to both, or leave --tp out under torchrun.")
-        cfg = dataclasses.replace(cfg, tp=here.world)
+        cfg = dataclasses.replace(cfg, tp=here.world).validate()
     elif cfg.tp > 1:
         m = heavy()
         m.ranks.check_world(cfg.tp, cfg.device)

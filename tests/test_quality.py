@@ -124,7 +124,7 @@ def test_bench_shows_a_loop_beside_the_speed_it_buys(tmp_path):
     trace = [[n, n / 100, n] for n in range(100, 1001, 100)]
     results = {(m, "greedy", "p.txt"): bench.Result(m, "greedy", "p.txt", [secs], toks, 1000, {}, 0, trace)
                for m, secs, toks in (("none", 20.0, healthy), ("all", 10.0, looped))}
-    lm = SimpleNamespace(ref=SimpleNamespace(name="tiny", fingerprint="0"))
+    lm = SimpleNamespace(ref=SimpleNamespace(name="tiny", fingerprint="0"), backend="torch")  # as records.Loaded
     report = bench._report(results, ["none", "all"], ["greedy"], {"p.txt": [1, 2]}, 1000, 1, lm)
     rows = {r["method"]: r for r in report["rows"]}
     assert rows["none"]["longest_repeat"] == 0 and rows["all"]["longest_repeat"] == 697  # all but one period
