@@ -11,7 +11,7 @@ import types
 import pytest
 
 from gguf_tiny import write_gguf
-from swiftwrite.models import backends, ggmlmodel, ggmlprobe
+from swiftwrite.models import backends, ggmlbinding, ggmlmodel, ggmlprobe
 from swiftwrite.base import measurements
 from swiftwrite.base.config import Config
 from swiftwrite.base.errors import UserError
@@ -38,12 +38,12 @@ def gguf_dir(tmp_path):
 def broken_binding(monkeypatch):
     """A llama_cpp that imports but is not the API we call (what an incompatible or broken install looks like)."""
     monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
-    monkeypatch.setattr(ggmlmodel, "_binding", None)
+    monkeypatch.setattr(ggmlbinding, "_binding", None)
 
 
 def test_a_binding_that_imports_but_fails_is_one_reason_not_a_traceback(broken_binding):
-    with pytest.raises(ggmlmodel.BackendMissing, match="AttributeError"):
-        ggmlmodel.binding()
+    with pytest.raises(ggmlbinding.BackendMissing, match="AttributeError"):
+        ggmlbinding.binding()
 
 
 @pytest.mark.parametrize("setting, words", [
@@ -126,13 +126,13 @@ def test_a_binding_built_with_llamafile_loads_stock_and_names_the_rebuild_in_one
     pytest.importorskip("llama_cpp")
     from test_ggml import tiny_config
 
-    info = ggmlmodel.system_info()
-    monkeypatch.setattr(ggmlmodel, "system_info", lambda: info + " LLAMAFILE = 1 |")
+    info = ggmlbinding.system_info()
+    monkeypatch.setattr(ggmlbinding, "system_info", lambda: info + " LLAMAFILE = 1 |")
     model = backends.load_ggml(gguf_dir, dataclasses.replace(tiny_config(), max_positions=2048), 2)
     able = model.abilities
     model.close()
     assert model.loading == ggmlmodel.STOCK and able.steps_apart and not able.governed
-    assert ggmlmodel.REBUILD in able.not_exact and able.not_exact.count(". ") == 0
+    assert ggmlbinding.REBUILD in able.not_exact and able.not_exact.count(". ") == 0
 
 
 def test_the_cpu_extensions_are_named():

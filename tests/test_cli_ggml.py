@@ -89,11 +89,14 @@ def test_sigkill_between_checkpoints_then_resume_on_one_thread_gives_the_uninter
         bg.proc.kill()
         rc, _, err = bg.finish()
     assert rc == -signal.SIGKILL, err
+    assert list((d / "cells").glob("*.cells")), "each checkpoint saves the cache's new cells"
     # resume with the torch default in the environment: the run's own backend (ggml) must win
     p = sw("resume", d, "--threads", 1, "--no-live", env=clean_env(SWIFTWRITE_BACKEND="torch"), cwd=work)
     assert p.returncode == 0, p.stderr
     assert b"may continue differently" not in p.stderr  # the probe found the same bits on 1 thread as on 2
+    assert b"cells put back" in p.stderr  # the context was loaded, not computed
     assert read_tokens(d) == read_tokens(ref) and text_of(d) == text_of(ref)
+    assert not list((d / "cells").glob("*")), "a finished run keeps no cells"
 
 
 def test_auto_says_once_which_backend_it_chose_and_why(work, tmp_path):

@@ -24,7 +24,7 @@ from swiftwrite.decoding.window import Window
 if not os.environ.get("SWIFTWRITE_REQUIRE_GGML"):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'swiftwrite[ggml]')")
 
-from swiftwrite.models import backends, ggmlmodel, ggmlprobe  # noqa: E402
+from swiftwrite.models import backends, ggmlbinding, ggmlmodel, ggmlprobe  # noqa: E402
 from swiftwrite.models.ggmlmodel import GgmlModel  # noqa: E402
 from swiftwrite.models import threads  # noqa: E402
 from swiftwrite.models.model import ModelConfig  # noqa: E402
@@ -218,7 +218,7 @@ def test_the_binding_installed_for_the_tests_is_built_without_llamafile():
     than the same row alone); CI must test that binding, not a stock one a cache handed back."""
     if not os.environ.get("SWIFTWRITE_REQUIRE_GGML"):
         pytest.skip("only where the install is the README's (CI sets SWIFTWRITE_REQUIRE_GGML)")
-    assert not ggmlmodel.with_llamafile(), ggmlmodel.system_info()
+    assert not ggmlbinding.with_llamafile(), ggmlbinding.system_info()
 
 
 def test_loaded_invariantly_a_rows_bits_depend_on_neither_batch_nor_threads_at_long_contexts(invariant):
@@ -287,3 +287,54 @@ def test_speculative_equals_plain_with_banned_phrases(model, setting):
     assert got == ref and ref != free
     assert sum(s.backtracks for s in ref_steps) >= 2 and sum(s.drafted for s in steps) > 0
     assert not any(b in "".join(SPELLING[t].decode() for t in got) for b in bans)
+
+
+def run_saving(model, n, every, history=None, names=()):
+    """run_long's engine, saving the committed cells every `every` steps as a session's checkpoints do; the tokens,
+    and the stretches (start, end, key, bytes) of the context in the cache when it stopped."""
+    p = prompt()
+    sources, stats = make_sources(list(names), VOCAB)
+    engine = Engine(model, Sampler(SETTINGS["sample"], VOCAB), Window(LONG, len(p)), sources, stats,
+                    budget=8 if names else None, capacity=len(p) + n + 1)
+    engine.start(history or p)
+    toks, saved, span = [], [], engine.span
+    for i, step in enumerate(engine.run(n)):
+        toks += step.tokens
+        if engine.span != span:  # a rebuilt context: the cells saved so far are another context's
+            saved, span = [], engine.span
+        done, end = (saved[-1][1] if saved else 0), engine.cache.length
+        if i % every == every - 1 and end > done:
+            saved.append((done, end, engine.context_key(end), engine.cache.save_cells(done, end)))
+    return toks, saved
+
+
+@pytest.mark.parametrize("which", ["two_threads", "invariant"])
+def test_a_restart_that_puts_back_the_saved_cells_continues_exactly_and_computes_only_the_rest(which, request):
+    """Resume loads the cells a checkpoint saved (llama.cpp's serialized sequence state) instead of computing the
+    context, even where single steps part from batches (the stock loading): they are the running engine's own bits."""
+    model = request.getfixturevalue(which)
+    whole, _ = run_long(model, 1000)
+    first, saved = run_saving(model, 900, every=10)
+    assert first == whole[:900] and len(saved) > 2
+    p = prompt()
+    engine = Engine(model, Sampler(SETTINGS["sample"], VOCAB), Window(LONG, len(p)), capacity=len(p) + 1001)
+    engine.start(p + first, saved)
+    assert engine.restored == saved[-1][1] > 0  # every stretch was put back
+    rest = [t for s in engine.run(100) for t in s.tokens]
+    assert first + rest == whole
+
+
+def test_saved_cells_of_another_context_or_torn_are_not_put_back_and_the_text_is_the_same(invariant):
+    whole, _ = run_long(invariant, 1000)
+    first, saved = run_saving(invariant, 900, every=10)
+    p = prompt()
+    other = list(first)
+    other[-5] = (other[-5] + 1) % (VOCAB - 3) + 3  # one token differs inside the last saved stretch
+    torn = [(a, b, k, blob[: len(blob) // 2]) if i == 1 else (a, b, k, blob) for i, (a, b, k, blob) in enumerate(saved)]
+    for history, stretches in ((p + other, saved), (p + first, torn)):
+        engine = Engine(invariant, Sampler(SETTINGS["sample"], VOCAB), Window(LONG, len(p)), capacity=len(p) + 1001)
+        engine.start(history, stretches)
+        assert engine.restored < saved[-1][1]
+        if history == p + first:
+            assert engine.restored == saved[0][1]  # up to the torn one
+            assert first + [t for s in engine.run(100) for t in s.tokens] == whole

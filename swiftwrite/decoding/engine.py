@@ -10,6 +10,7 @@ State between steps: `S` (every token so far, prompt included) and a KV cache ho
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -120,15 +121,17 @@ class Engine:
             self.S = grown
 
     @torch.inference_mode()
-    def start(self, history: list[int]) -> None:
-        """Take the committed sequence (prompt, or prompt + output on resume) and fill the cache."""
+    def start(self, history: list[int], saved=()) -> None:
+        """Take the committed sequence (prompt, or prompt + output on resume) and fill the cache. `saved`: stretches
+        of cells a running engine saved (start, end, context_key(end), save_cells' bytes), in order: put back where
+        they fit this context (abilities.saves_cells), so only the rest is computed."""
         self._ensure_capacity(len(history) + 1)
         self.S[: len(history)] = torch.tensor(history, dtype=torch.long)
         self.n = len(history)
         self.final = self.n
         if self.bans is not None:
             self.bans.reset(self.n)
-        self._rebuild(seed_sources=True)
+        self._rebuild(seed_sources=True, saved=saved)
         hist = self.S[: self.n].numpy()
         for src in self.sources:
             src.after_commit(hist, self.n)
@@ -143,7 +146,11 @@ class Engine:
         pin = torch.tensor(self.pinned(s + self.window.recent - self.prompt_len), dtype=torch.long)
         return torch.cat([self.S[: self.prompt_len], pin, self.S[s : self.n]])
 
-    def _rebuild(self, seed_sources: bool = False) -> None:
+    def context_key(self, end: int) -> str:
+        """A digest of what the first `end` cells are computed from: the context's ids before them."""
+        return hashlib.sha256(self._context_ids()[:end].numpy().astype(np.int64).tobytes()).hexdigest()[:32]
+
+    def _rebuild(self, seed_sources: bool = False, saved=()) -> None:
         """Prefill the cache with the current context, all but its last token (the next root).
 
         Where the model's single steps compute other bits than its batches (`steps_apart`: llama.cpp with several
@@ -161,9 +168,15 @@ class Engine:
             s, _ = self.span
             n0 = self.prompt_len if s == self.window.prompt else s + self.window.recent
             singles = max(0, min(self.n - n0, body.shape[0]))
-        batched = body.shape[0] - singles
-        bounds = [(a, min(a + PREFILL_CHUNK, batched)) for a in range(0, batched, PREFILL_CHUNK)]
-        bounds += [(a, a + 1) for a in range(batched, body.shape[0])]
+        batched, done = body.shape[0] - singles, 0
+        for start, end, key, blob in saved:  # the first stretch that does not fit ends the loading
+            if start != done or end > body.shape[0] or key != self.context_key(end) or \
+                    not self.cache.load_cells(blob, start, end):
+                break
+            done = end
+        self.restored = done  # cells put back rather than computed
+        bounds = [(a, min(a + PREFILL_CHUNK, batched)) for a in range(done, batched, PREFILL_CHUNK)]
+        bounds += [(a, a + 1) for a in range(max(done, batched), body.shape[0])]
         for a, z in bounds:
             chunk = body[a:z].to(self.model.device)
             pos = torch.arange(a, z, device=self.model.device)

@@ -24,7 +24,7 @@ import torch
 from ..base import measurements
 from ..base.errors import UserError
 from ..base.paths import GGUF_FILE, fingerprint
-from . import ggmlmodel, ggmlprobe
+from . import ggmlbinding, ggmlmodel, ggmlprobe
 
 TIMED_STEPS = 24  # plain steps timed per candidate (after 8 of warm-up), once per model and machine
 ROWS = "/rows-v5"  # the key of the probe's finding (v5: whether paths off a tree's first chain keep the bits)
@@ -69,8 +69,8 @@ def why_not_ggml(cfg, model_dir: Path, device: str) -> str | None:
         return ("multi-token heads read a hidden state llama.cpp does not expose; use --draft all (recycling and "
                 "n-gram) with the ggml backend, or --backend torch.")
     try:
-        ggmlmodel.binding()
-    except ggmlmodel.BackendMissing as e:
+        ggmlbinding.binding()
+    except ggmlbinding.BackendMissing as e:
         return (f"the ggml backend needs llama-cpp-python, which does not load here ({e}); install it with "
                 "pip install 'swiftwrite[ggml]', or use --backend torch.")
     return None
@@ -131,7 +131,7 @@ def load_ggml(model_dir: Path, mcfg, threads: int, say=lambda msg: None) -> "ggm
     """The GGUF in llama.cpp, loaded so that a row's bits depend on its tokens alone where the probe shows they do
     (ggmlprobe.py), else with llama.cpp's fast paths (STOCK: a binding built with llamafile is never invariant, so
     it is not loaded twice), with what the probe found kept once per model, machine, threads and binding build."""
-    key = f"{_key(model_dir, threads)}/{ggmlmodel.build_key()}{ROWS}"
+    key = f"{_key(model_dir, threads)}/{ggmlbinding.build_key()}{ROWS}"
     kept = measurements.kept(_path(), key, _finding)
     if kept is not None:
         model = ggmlmodel.GgmlModel(gguf_path(model_dir), mcfg, threads=threads, loading=ggmlmodel.STOCK
@@ -140,7 +140,7 @@ def load_ggml(model_dir: Path, mcfg, threads: int, say=lambda msg: None) -> "ggm
         return model
     say(f"checking that llama.cpp computes each row from its tokens alone here (once per model, machine, {threads} "
         "threads and binding build)")
-    for loading in (ggmlmodel.STOCK,) if ggmlmodel.with_llamafile() else (ggmlmodel.INVARIANT, ggmlmodel.STOCK):
+    for loading in (ggmlmodel.STOCK,) if ggmlbinding.with_llamafile() else (ggmlmodel.INVARIANT, ggmlmodel.STOCK):
         model = ggmlmodel.GgmlModel(gguf_path(model_dir), mcfg, threads=threads, loading=loading)
         found = ggmlprobe.probe(model)
         if found.invariant or loading == ggmlmodel.STOCK:
@@ -158,7 +158,7 @@ def measured(model_dir: Path, threads: int, load_torch, load_ggml_model, say=lam
     without drafts, exactly (Engine._rebuild). One whose batches never keep a single step's bits does not: its
     prefill and resume would run a token at a time."""
     key = _key(model_dir, threads)
-    rows = measurements.kept(_path(), f"{key}/{ggmlmodel.build_key()}{ROWS}", _finding)
+    rows = measurements.kept(_path(), f"{key}/{ggmlbinding.build_key()}{ROWS}", _finding)
     if rows is not None and rows["batch_rows"] == 1:
         return _no_batches(rows["note"], load_torch, say)
     loaded, no_batches = {}, []

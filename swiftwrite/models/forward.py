@@ -40,6 +40,9 @@ class Abilities:
     not_exact: str | None = None  # the probe's clause on why drafts could change the text here; None: no such finding
     governed: bool = False  # the thread count may change mid-run through counts a probe shows give the same bits
     # (threads.py's governor)
+    saves_cells: str | None = None  # the cache's committed cells can be saved and put back bit for bit (save_cells,
+    # load_cells): a resume loads them from the run directory instead of computing the context (llama.cpp). The value
+    # names the build whose cells they are: a file of another is not put back
 
 
 class Cache(Protocol):
@@ -61,6 +64,15 @@ class Cache(Protocol):
 
     def compact(self, start: int, keep: torch.Tensor) -> None:
         """Move slots `start + keep[i]` to `start + i` (a tree's accepted path) and set `length = start + len(keep)`."""
+        ...
+
+    def save_cells(self, start: int, end: int) -> bytes:
+        """The committed slots start..end-1, serialized (caches of forwards that save cells only)."""
+        ...
+
+    def load_cells(self, blob: bytes, start: int, end: int) -> bool:
+        """Put back what save_cells(start, end) gave, after the first `start` slots (`length` must be `start`); then
+        `length` is `end`. False, and the cache as it was, where the bytes are refused."""
         ...
 
 

@@ -30,10 +30,7 @@ the tokens it had written a step at a time after that rebuild a step at a time a
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
 import weakref
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,13 +39,12 @@ import torch
 
 from ..base.errors import UserError
 from .forward import Abilities
+from .ggmlbinding import binding, build_key, forget_messages, last_message, rebuild_hint
 from .ggmlprobe import Finding
 
 MAX_ROWS = 128  # rows one llama_decode may carry (a forward over more runs in several)
 MAX_SEQS = 64  # sequence ids: the most leaves a tree of MAX_BUDGET + 1 nodes has
 CTX_STEP = 256  # llama.cpp contexts are sized in these steps
-REBUILD = ('CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" pip install --force-reinstall --no-cache-dir --no-deps '
-           'llama-cpp-python==0.3.36')  # the binding without llamafile, whose tiles give 2+ rows other bits
 
 
 @dataclass(frozen=True)
@@ -62,75 +58,6 @@ class Loading:
 
 INVARIANT = Loading(flash_attn=0, repack=False)  # a row's bits from its tokens alone (with a build without llamafile)
 STOCK = Loading(flash_attn=1, repack=True)  # llama.cpp's fast paths: batches keep single steps' bits at short context
-
-_log: deque[tuple[int, str]] = deque(maxlen=16)  # llama.cpp's last messages: the reason behind a failed load, said in one line
-_binding = None
-_callback = None
-
-
-def binding():
-    """The llama_cpp module, loaded once; UserError with the reason where it is missing or cannot load.
-
-    llama-cpp-python is optional: its wheel builds llama.cpp from source at install time. Imported here, not at
-    module top, because it loads a compiled library the torch path never needs."""
-    global _binding, _callback
-    if _binding is None:
-        try:
-            import llama_cpp  # heavy optional dependency (a compiled library), loaded only for the ggml backend
-
-            @llama_cpp.llama_log_callback
-            def keep(level, text, user_data):  # errors (3) and warnings (2) are kept for messages; none printed
-                if level in (2, 3) and text:
-                    _log.append((level, text.decode("utf-8", "replace").strip()))
-
-            llama_cpp.llama_log_set(keep, ctypes.c_void_p(0))
-            # K-quant products of 8+ rows take a tiled path with other bits than one row's; ggml reads the switch
-            # at its first product (a user's own setting stands)
-            os.environ.setdefault("GGML_CPU_TILED_MM", "0")
-            llama_cpp.llama_backend_init()
-        except Exception as e:  # not installed; a library that cannot load here (OSError); a binding of another API
-            why = str(e).splitlines()[0] if str(e) else ""
-            raise BackendMissing(f"{type(e).__name__}: {why}"[:160]) from None
-        _callback = keep  # a ctypes callback must outlive its registration
-        _binding = llama_cpp
-    return _binding
-
-
-class BackendMissing(UserError):
-    """llama-cpp-python is not installed, or its library does not load here."""
-
-
-def system_info() -> str:
-    """What ggml's CPU backend was built with and found (AVX2 = 1 | AVX512 = 1 | ...)."""
-    return binding().llama_print_system_info().decode("utf-8", "replace").strip()
-
-
-def with_llamafile() -> bool:
-    """Whether the binding was built with llamafile (its tiles compute products of 2+ rows with other bits)."""
-    return "LLAMAFILE = 1" in system_info()
-
-
-def build_key() -> str:
-    """What a probe's finding depends on of the binding: its version and how its ggml was built."""
-    lib = binding()
-    return hashlib.sha1(f"{lib.__version__}/{system_info()}".encode()).hexdigest()[:10]
-
-
-def rebuild_hint() -> str:
-    """A clause naming the command that rebuilds the binding without llamafile, where it was built with it."""
-    if not with_llamafile():
-        return ""
-    return f" (this llama-cpp-python was built with llamafile; {REBUILD} rebuilds it without)"
-
-
-def last_message() -> str:
-    """llama.cpp's last error (else its last warning): the reason behind a failed load or decode."""
-    for wanted in (3, 2):
-        for level, text in reversed(_log):
-            if level == wanted and text:
-                return text
-    return "no reason given"
-
 
 class GgmlCache:
     """A llama.cpp context: its KV cache and the batch buffers the forwards fill. `length` counts committed slots."""
@@ -229,6 +156,49 @@ class GgmlCache:
         got = lib.llama_state_seq_get_data(self.ctx, buf, size, self.main)
         return [torch.frombuffer(bytearray(buf)[:got], dtype=torch.uint8)]
 
+    def save_cells(self, start: int, end: int) -> bytes:
+        """The committed cells at positions start..end-1 as llama.cpp serializes a sequence (keys and values, bit for
+        bit): copied into a spare sequence id first, so only they are written. No tree is live between steps, so
+        any id but the main one is free."""
+        lib, spare = self.model.lib, 1 if self.main == 0 else 0
+        self._drop_tree()
+        lib.llama_memory_seq_rm(self.mem, spare, -1, -1)
+        lib.llama_memory_seq_cp(self.mem, self.main, spare, start, end)
+        try:
+            size = lib.llama_state_seq_get_size(self.ctx, spare)
+            buf = (ctypes.c_uint8 * size)()
+            got = lib.llama_state_seq_get_data(self.ctx, buf, size, spare)
+            return bytes(memoryview(buf)[:got])
+        finally:
+            lib.llama_memory_seq_rm(self.mem, spare, -1, -1)
+
+    def load_cells(self, blob: bytes, start: int, end: int) -> bool:
+        """Put back cells save_cells(start, end) gave. llama.cpp places a sequence's saved cells in the first free
+        run of cells, which after the `start` committed ones (cell = position, as a prefill leaves them) is
+        start..end-1: where the running engine had them, so attention sums them in the same lanes. Read into a
+        spare sequence id (llama.cpp clears the one it reads into), then shared into the main one."""
+        if self.length != start:
+            raise RuntimeError(f"cells {start}..{end} loaded after {self.length} committed slots")
+        lib, spare = self.model.lib, 1 if self.main == 0 else 0
+        self._drop_tree()
+        lib.llama_memory_seq_rm(self.mem, -1, start, -1)  # whatever an earlier forward left past the committed
+        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        if not lib.llama_state_seq_set_data(self.ctx, buf, len(blob), spare):
+            lib.llama_memory_seq_rm(self.mem, spare, -1, -1)
+            return False
+        lib.llama_memory_seq_cp(self.mem, spare, self.main, -1, -1)
+        lib.llama_memory_seq_rm(self.mem, spare, -1, -1)
+        if lib.llama_memory_seq_pos_max(self.mem, self.main) != end - 1:  # not the stretch it claimed to be
+            lib.llama_memory_seq_rm(self.mem, -1, start, -1)
+            return False
+        self.length = self.high = end
+        return True
+
+    def _drop_tree(self) -> None:
+        if self.tree is not None:  # an uncompacted tree left the context shared into its leaves' sequences
+            self.model.lib.llama_memory_seq_keep(self.mem, self.main)
+            self.tree = None
+
     def close(self) -> None:
         if getattr(self, "ctx", None):
             self.model.lib.llama_free(self.ctx)
@@ -250,7 +220,7 @@ class GgmlModel:
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
         params.use_extra_bufts = loading.repack
-        _log.clear()
+        forget_messages()  # last_message() then says why this load failed
         self.handle = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.handle:
             raise UserError(f"llama.cpp cannot load {self.path} ({last_message()}); use --backend torch, or check "
@@ -278,7 +248,8 @@ class GgmlModel:
         f = self.found
         note = f"{f.note}{rebuild_hint()}" if f.note else None
         return Abilities(hidden=False, scratch_lengths=False, max_rows=f.max_rows, steps_apart=f.steps_apart,
-                         chains_only=not f.branches, not_exact=note, governed=not (f.threads_apart or f.steps_apart))
+                         chains_only=not f.branches, not_exact=note, governed=not (f.threads_apart or f.steps_apart),
+                         saves_cells=build_key())
 
     @property
     def weight_bytes(self) -> int:

@@ -9,14 +9,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from . import ggmlmodel
+from . import ggmlbinding
 
 LOOKUP_TOKENS = 2  # llama.cpp's prompt lookup drafts this many; 2 was its best setting here (0.95x at 2, 0.73x at 10)
 
 
 def load_llamacpp(gguf: Path, threads: int, context: int, lookup: bool = False):
     """A `llama_cpp.Llama` on the GGUF with the defaults a user gets, `threads` threads, room for `context` tokens."""
-    llama_cpp = ggmlmodel.binding()
+    llama_cpp = ggmlbinding.binding()
     draft = None
     if lookup:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # part of the optional binding
@@ -50,7 +50,7 @@ def llamacpp_long(llm, ids: list[int], n: int, setting: dict, last_n: int = 256)
     the rest down (llama.cpp shifts the keys' rotary positions in place; nothing is computed again). The sampler is
     llama.cpp's chain with the setting's repeat penalty over the last `last_n` tokens, min-p and temperature, as
     `llamacpp_generate` asks of the high-level loop; the prompt's prefill is outside the time, as there."""
-    lib = ggmlmodel.binding()
+    lib = ggmlbinding.binding()
     ctx, vocab = llm.ctx, llm.n_vocab()
     mem, n_ctx = lib.llama_get_memory(ctx), lib.llama_n_ctx(ctx)
     chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())

@@ -26,6 +26,7 @@ from ..decoding.bans import MAX_RETRIES
 from ..decoding.curves import Curves
 from ..decoding.engine import SOURCES, Engine, Step
 from ..decoding.repetition import LOOP_WARN, LoopWatch
+from ..io.cellfiles import CellFiles
 from ..io.prompt import TextStream
 from ..io.rundir import RunDir
 from ..io.ui import QUALITY_WINDOW, WORDS_WINDOW, Display, Progress
@@ -101,13 +102,38 @@ class Session:
     display: Display
     resolved: Resolved | None = None  # what the run resolved its settings to (the stats show it)
     curves: Curves | None = None  # the automatic budget's cost curves
+    cells: CellFiles | None = None  # the cache's cells saved at each checkpoint (abilities.saves_cells)
+    cells_saved: tuple = ((0, 0), 0)  # the context span they belong to, and the end of the last stretch saved
 
     def start(self, rd: RunDir, ids: list[int]) -> None:
-        """Prefill `ids` (prompt and the tokens written so far) and fit the draft budget to the rest of the run."""
+        """Prefill `ids` (prompt and the tokens written so far), putting back the cells a checkpoint saved where they
+        fit, and fit the draft budget to the rest of the run."""
+        engine, owner = self.engine, self.engine.model.abilities.saves_cells
+        self.cells = CellFiles(rd.path, f"{self.lm.ref.fingerprint}/{owner}") if owner else None
         with interrupted_before_the_loop(rd):
-            self.engine.start(ids)
+            engine.start(ids, self.cells.read() if self.cells else ())
+            if self.cells:
+                self.cells.clear(keep_before=engine.restored)  # the ones not put back belong to no context now
+                self.cells_saved = (engine.span, engine.restored)
+                if engine.restored:
+                    self.display.info(f"context: {engine.restored} tokens' cells put back as the last checkpoint "
+                                      "saved them; the rest computed")
             if self.curves is not None:
-                self.curves.fit(self.engine, upto=len(rd.prompt_ids) + self.limits.tokens)
+                self.curves.fit(engine, upto=len(rd.prompt_ids) + self.limits.tokens)
+
+    def _save_cells(self) -> None:
+        """The cells written since the last checkpoint, as one more stretch; all of them again after a rebuild.
+        Saved before the checkpoint itself, so a checkpoint on disk has its cells (a stretch past the checkpoint a
+        kill leaves is not put back: its end is past the resumed context)."""
+        engine, (span, saved) = self.engine, self.cells_saved
+        end = engine.cache.length
+        if span != engine.span or end < saved:  # another context; cells taken back (a banned phrase)
+            self.cells.clear()
+            span, saved = engine.span, 0
+        if end > saved:
+            self.cells.write(saved, end, engine.context_key(end), engine.cache.save_cells(saved, end))
+            saved = end
+        self.cells_saved = (span, saved)
 
     # -- what the panel, the checkpoints and the stats JSON show, all read from RunStats
 
@@ -249,10 +275,14 @@ class Session:
 
     def _checkpoint(self, w: _Writing, finished: bool = False) -> None:
         st, rd = w.st, w.rd
+        if self.cells is not None and not finished:
+            self._save_cells()
         rd.checkpoint(self.stats(st, rd, len(w.stream.pending), w.gov), pack_state(self.engine.drafter_state()),
                       finished=finished)
         st.since, st.checkpoints, st.last_checkpoint = 0, st.checkpoints + 1, time.time()
         rd.log_progress(self.log_line(st, rd))
+        if self.cells is not None and finished:
+            self.cells.clear()  # a finished run is extended rarely; its cells would only take the disk
 
     def _emit(self, w: _Writing, text: str) -> None:
         out = w.out
