@@ -85,7 +85,7 @@ def test_the_probe_catches_a_batch_whose_rows_differ_from_single_steps(model, mo
 
     monkeypatch.setattr(GgmlModel, "forward", noisy)
     assert "batch" in ggmlprobe.probe(model).note
-    assert model.max_rows == 1  # prefill then runs a token at a time: resume stays exact
+    assert model.max_rows == 1  # no trees; prefill stays batched and the engine replays steps as steps
     monkeypatch.undo()
     assert ggmlprobe.probe(model).invariant
 
@@ -338,3 +338,31 @@ def test_saved_cells_of_another_context_or_torn_are_not_put_back_and_the_text_is
         if history == p + first:
             assert engine.restored == saved[0][1]  # up to the torn one
             assert first + [t for s in engine.run(100) for t in s.tokens] == whole
+
+
+@pytest.fixture(scope="module")
+def repacked(tmp_path_factory):
+    """Loaded with repacked weights (ggmlmodel.REPACKED), two threads, probed as backends.load_ggml probes it."""
+    path = write_gguf(tmp_path_factory.mktemp("gguf") / "rep.gguf", vocab=VOCAB, tied=True)
+    m = GgmlModel(path, dataclasses.replace(tiny_config(), max_positions=2048), threads=2, loading=ggmlmodel.REPACKED)
+    ggmlprobe.probe(m, trees=False)
+    yield m
+    m.close()
+
+
+@pytest.mark.parametrize("cut", [700, 1400])
+def test_with_repacked_weights_a_restart_anywhere_continues_exactly_with_or_without_saved_cells(repacked, cut):
+    """Prefills in whole batches, whose rows part from single steps: a restart computes each position as the
+    running engine did (a step at a time since the span's rebuild), or puts back the cells it saved."""
+    assert repacked.found.steps_apart and repacked.max_rows == 1 and repacked.batch_rows > 1
+    whole, _ = run_long(repacked, 1500)
+    first = whole[:cut]
+    rest, _ = run_long(repacked, 1500 - cut, history=prompt() + first)
+    assert first + rest == whole
+    toks, saved = run_saving(repacked, cut, every=10)
+    assert toks == first
+    p = prompt()
+    engine = Engine(repacked, Sampler(SETTINGS["sample"], VOCAB), Window(LONG, len(p)), capacity=len(p) + 1501)
+    engine.start(p + first, saved)
+    assert engine.restored > 0
+    assert first + [t for s in engine.run(1500 - cut) for t in s.tokens] == whole

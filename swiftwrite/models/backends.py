@@ -27,7 +27,8 @@ from ..base.paths import GGUF_FILE, fingerprint
 from . import ggmlbinding, ggmlmodel, ggmlprobe
 
 TIMED_STEPS = 24  # plain steps timed per candidate (after 8 of warm-up), once per model and machine
-ROWS = "/rows-v5"  # the key of the probe's finding (v5: whether paths off a tree's first chain keep the bits)
+ROWS = "/rows-v6"  # the key of the probe's finding (v6: the loading it is of, by name)
+LOADINGS = {"invariant": ggmlmodel.INVARIANT, "repacked": ggmlmodel.REPACKED, "stock": ggmlmodel.STOCK}
 
 
 def cpu_extensions() -> list[str]:
@@ -133,30 +134,31 @@ def load_ggml(model_dir: Path, mcfg, threads: int, say=lambda msg: None) -> "ggm
     it is not loaded twice), with what the probe found kept once per model, machine, threads and binding build."""
     key = f"{_key(model_dir, threads)}/{ggmlbinding.build_key()}{ROWS}"
     kept = measurements.kept(_path(), key, _finding)
+    path = gguf_path(model_dir)
     if kept is not None:
-        model = ggmlmodel.GgmlModel(gguf_path(model_dir), mcfg, threads=threads, loading=ggmlmodel.STOCK
-                                    if kept.pop("stock") else ggmlmodel.INVARIANT)
+        model = ggmlmodel.GgmlModel(path, mcfg, threads=threads, loading=LOADINGS[kept.pop("loading")])
         model.apply(ggmlprobe.Finding(**kept))
         return model
     say(f"checking that llama.cpp computes each row from its tokens alone here (once per model, machine, {threads} "
         "threads and binding build)")
-    for loading in (ggmlmodel.STOCK,) if ggmlbinding.with_llamafile() else (ggmlmodel.INVARIANT, ggmlmodel.STOCK):
-        model = ggmlmodel.GgmlModel(gguf_path(model_dir), mcfg, threads=threads, loading=loading)
-        found = ggmlprobe.probe(model)
-        if found.invariant or loading == ggmlmodel.STOCK:
-            break
+    name = "stock" if ggmlbinding.with_llamafile() else "invariant"
+    model = ggmlmodel.GgmlModel(path, mcfg, threads=threads, loading=LOADINGS[name])
+    found = ggmlprobe.probe(model)
+    if name == "invariant" and not found.invariant:  # not expected of this build: llama.cpp's fast paths, as stock
         model.close()
-    measurements.keep(_path(), key, {**dataclasses.asdict(found), "stock": loading == ggmlmodel.STOCK})
+        name, model = "stock", ggmlmodel.GgmlModel(path, mcfg, threads=threads, loading=ggmlmodel.STOCK)
+        found = ggmlprobe.probe(model)
+    measurements.keep(_path(), key, {**dataclasses.asdict(found), "loading": name})
     return model
 
 
 def measured(model_dir: Path, threads: int, load_torch, load_ggml_model, say=lambda msg: None) -> tuple[str, object]:
     """`auto`: the faster of the two on this machine, timed at the first run and kept. Returns the name and the
-    loaded model (at the first run both are loaded and timed; the slower one is dropped).
+    loaded model (at the first run both are timed, one after the other; the slower one is dropped).
 
-    A llama.cpp whose probe found single steps apart from batches at long contexts stays a candidate: it runs
-    without drafts, exactly (Engine._rebuild). One whose batches never keep a single step's bits does not: its
-    prefill and resume would run a token at a time."""
+    A llama.cpp whose probe found single steps apart from batches stays a candidate: it runs without drafts,
+    exactly (Engine._rebuild). One whose batches do not even repeat their own bits does not: its prefill and resume
+    would run a token at a time."""
     key = _key(model_dir, threads)
     rows = measurements.kept(_path(), f"{key}/{ggmlbinding.build_key()}{ROWS}", _finding)
     if rows is not None and rows["batch_rows"] == 1:
@@ -168,8 +170,13 @@ def measured(model_dir: Path, threads: int, load_torch, load_ggml_model, say=lam
         if ggml.found.note and ggml.batch_rows == 1:
             no_batches.append(ggml.found.note)  # and the model is dropped before torch's is loaded
             return None
-        loaded["ggml"], loaded["torch"] = ggml, load_torch()
-        return {"ggml": step_ms(ggml), "torch": step_ms(loaded["torch"])}
+        ggml_ms = step_ms(ggml)
+        # one backend's weights at a time: a big GGUF's first run held llama.cpp's mapped file and torch's weights
+        # together (20.2 GB for an 8B-shaped one against llama.cpp's 8.2). The winner is loaded again below; the
+        # file is then in the page cache and the probe's finding kept
+        ggml.close()
+        loaded["torch"] = load_torch()
+        return {"ggml": ggml_ms, "torch": step_ms(loaded["torch"])}
 
     times = measurements.cached(_path(), key, time_both, _times)
     if times is None:
@@ -188,7 +195,7 @@ def measured(model_dir: Path, threads: int, load_torch, load_ggml_model, say=lam
 
 def _finding(entry: dict) -> dict | None:
     """A kept probe finding, if it has every field (a copy: the caller may take fields out)."""
-    names = {f.name for f in dataclasses.fields(ggmlprobe.Finding)} | {"stock"}
+    names = {f.name for f in dataclasses.fields(ggmlprobe.Finding)} | {"loading"}
     return dict(entry) if isinstance(entry, dict) and set(entry) == names else None
 
 

@@ -29,18 +29,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .ggmlbinding import last_message
+
 PROBE_TOKENS = 64
 PROBE_SIZES = (64, 63, 48, 32, 16, 8, 4, 2)  # largest first: a batch above some size may take other kernels
 LONG_CONTEXT = 3072  # ≥ 3,000 tokens: flash attention splits one query across threads from 512 cells
 SHORTEST_LONG = 640  # a model that never attends past this many cells has no long context to probe
 LONG_BATCH = 16  # rows compared at the long context (a chain's and an off-chain path's too)
+FILL = 256  # the long context is copies of this many prefilled tokens' cells, shifted into place
 
 
 @dataclass(frozen=True)
 class Finding:
     """What the probe found (kept as a dict in the store's backends.json)."""
 
-    batch_rows: int  # the most rows one llama_decode computes with single steps' bits (a prefill's batches)
+    batch_rows: int  # the rows one llama_decode carries in a prefill: with single steps' bits, unless steps_apart
     max_rows: int  # the most a tree may carry (1: no trees)
     steps_apart: bool = False  # past some context, batches and trees part from single steps
     threads_apart: bool = False  # one thread computes other bits than the run's count
@@ -53,9 +56,19 @@ class Finding:
         return self.max_rows > 1 and not self.steps_apart and not self.threads_apart and self.note is None
 
 
-def probe(model) -> Finding:
-    """Probe `model` (a GgmlModel: its forward, `threads` and `set_threads`), apply what holds to it and return it."""
-    found = _probe(model)
+def probe(model, trees: bool = True) -> Finding:
+    """Probe `model` (a GgmlModel: its forward, `threads` and `set_threads`), apply what holds to it and return it.
+    `trees` False: a loading whose batches are known to part from single steps (repacked weights: a GEMV below 4
+    rows, a GEMM from 4), where prefills in whole batches are worth more than trees of 2 or 3 rows."""
+    if trees:
+        found = _probe(model)
+    else:
+        rng = np.random.default_rng(0)
+        cache = model.new_cache(2 * PROBE_TOKENS)
+        try:
+            found = _batches_apart(model, cache, torch.from_numpy(rng.integers(0, model.vocab, PROBE_TOKENS)).long())
+        finally:
+            cache.close()
     model.apply(found)
     return found
 
@@ -74,7 +87,7 @@ def _probe(model) -> Finding:
             if torch.equal(model.forward(ids[:size], torch.arange(size), cache)[0], single[:size]):
                 break
         else:
-            return Finding(1, 1, note="a batch of tokens computes other bits than single steps in llama.cpp here")
+            return _batches_apart(model, cache, ids)
         rows = size
         model.apply(Finding(batch_rows=rows, max_rows=rows))
         k = min(rows // 2, PROBE_TOKENS // 2)
@@ -86,6 +99,25 @@ def _probe(model) -> Finding:
     finally:
         cache.close()
     return _long_context(model, rows, threads_apart, branches)
+
+
+def _batches_apart(model, cache, ids: torch.Tensor) -> Finding:
+    """No batch size keeps single steps' bits (repacked weights take a GEMM from 4 rows). Where a batch gives the
+    same bits every time, and at one thread as at the run's, prefills stay batched and the engine keeps each
+    position's kind of computation (steps_apart: Engine._rebuild replays what was written a step at a time); else
+    every token is a single step."""
+    size = PROBE_SIZES[0]
+    model.apply(Finding(batch_rows=size, max_rows=1))
+    first = _batch(model, cache, ids[:size])
+    if not torch.equal(_batch(model, cache, ids[:size]), first):
+        model.apply(Finding(batch_rows=1, max_rows=1))
+        return Finding(1, 1, note="a batch of tokens computes other bits than single steps in llama.cpp here, and "
+                                  "other bits each time")
+    single = _singles(model, cache, ids[:size], 0)
+    threads_apart = _other_threads(model, lambda: _batch(model, cache, ids[:size]), first) or \
+        _other_threads(model, lambda: _singles(model, cache, ids[:size], 0), single)
+    return Finding(size, 1, steps_apart=True, threads_apart=threads_apart, branches=False,
+                   note="a batch of tokens computes other bits than single steps in llama.cpp here")
 
 
 def _singles(model, cache, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -145,18 +177,31 @@ def _other_threads(model, run, reference: torch.Tensor) -> bool:
         model.set_threads(most)
 
 
+def _fill(model, cache, ids: torch.Tensor, length: int) -> None:
+    """`length` cells of context: FILL tokens prefilled, their cells saved once and put back again and again with
+    their positions shifted (GgmlCache.load_cells), rather than a prefill of all of them (3,072 tokens: 21 s on the
+    default model on 2 cores, minutes on an 8B one). What is compared after it (steps, batches, trees, threads)
+    reads the same cells either way; only their contents are repeats."""
+    model.forward(ids[:FILL], torch.arange(FILL), cache, logits_for=slice(0, 0))  # in batch_rows batches
+    cache.length = FILL
+    blob = cache.save_cells(0, FILL)
+    while cache.length < length:
+        if not cache.load_cells(blob, cache.length, cache.length + FILL, shift=cache.length):
+            raise RuntimeError(f"llama.cpp refused the probe's cells at {cache.length} ({last_message()})")
+
+
 def _long_context(model, rows: int, threads_apart: bool, branches: bool) -> Finding:
     """The same comparisons after a long context: single steps against a batch and a tree of their tokens, and
     one thread against the run's. Measured 2026-12-04 with flash attention and 2 threads: from ~512 cells a single
     step's attention is split across threads and a batch's not, so they differ in the last bits."""
-    length = min(LONG_CONTEXT, model.cfg.max_positions - 4 * LONG_BATCH)
+    length = min(LONG_CONTEXT, model.cfg.max_positions - 4 * LONG_BATCH) // FILL * FILL
     if length < SHORTEST_LONG:
         return Finding(rows, rows, threads_apart=threads_apart, branches=branches)
     rng = np.random.default_rng(1)
     ids = torch.from_numpy(rng.integers(0, model.vocab, length + LONG_BATCH)).long()
     cache = model.new_cache(length + 4 * LONG_BATCH)
     try:
-        model.forward(ids[:length], torch.arange(length), cache, logits_for=slice(0, 0))  # in batch_rows batches
+        _fill(model, cache, ids, length)
         new = ids[length:]
         single = _singles(model, cache, new, length)
         apart = not torch.equal(_batch(model, cache, new, length), single)
