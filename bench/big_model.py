@@ -16,6 +16,9 @@ Then, in fresh processes (so each peak resident memory is its own), one after th
   2. `swiftwrite generate --backend ggml` (the same kernels behind our engine);
   3. with --torch: `swiftwrite generate --backend torch --weights int4`, twice (the first run quantizes the GGUF to
      the int4 kernel's layout a layer at a time; the second reads the stored int4 file).
+  4. with --auto: `swiftwrite generate` with the default `--backend auto`, twice, in a store of its own: the first
+     run probes llama.cpp and times both backends (one after the other: since 2026-12-06 llama.cpp's model is closed
+     before torch's weights load), the second reads what the first kept.
 Each row: wall seconds, the process's peak resident memory (its own rusage, from wait4), the run's own
 tokens/s, and the bytes on disk (the GGUF, the int4 file). Writes machine, date and
 settings beside the figures.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -118,7 +122,7 @@ def peer(d: Path, tokens: int, threads: int, stats: Path) -> None:
     stats.write_text(json.dumps({"tokens": len(toks), "seconds": round(secs, 3), "tokens_per_second": len(toks) / secs}))
 
 
-def run_once(d: Path, prompt: Path, tokens: int, threads: int, stats: Path, backend: str) -> dict:
+def run_once(d: Path, prompt: Path, tokens: int, threads: int, stats: Path, backend: str, home: Path | None = None) -> dict:
     if backend == "llama.cpp":
         cmd = [sys.executable, str(Path(__file__)), "--peer", str(d), "--tokens", str(tokens), "--threads",
                str(threads), "--out", str(stats)]
@@ -129,7 +133,8 @@ def run_once(d: Path, prompt: Path, tokens: int, threads: int, stats: Path, back
                "--out", str(stats.with_suffix(".txt"))] + (["--weights", "int4"] if backend == "torch" else [])
     t0 = time.perf_counter()
     err = open(stats.with_suffix(".stderr"), "w+")
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+    env = {**os.environ, **({"SWIFTWRITE_HOME": str(home)} if home else {})}
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, env=env)
     rc, peak = common.wait_child(p.pid)  # this child's own rusage: its peak resident memory, loading included
     wall = time.perf_counter() - t0
     err.seek(0)
@@ -149,6 +154,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--keep", action="store_true", help="keep the model directory and its int4 file")
     ap.add_argument("--torch", action="store_true", help="also run the torch path with --weights int4 (twice)")
+    ap.add_argument("--auto", action="store_true",
+                    help="also run the default --backend auto twice in a store of its own: the first run probes "
+                         "llama.cpp and times both backends, the second reads what the first kept")
     ap.add_argument("--peer", type=Path, help=argparse.SUPPRESS)  # the llama.cpp child (run_once)
     a = ap.parse_args()
     if a.peer:
@@ -176,8 +184,13 @@ def main() -> None:
     if a.torch:
         runs += [("torch", "swiftwrite --backend torch --weights int4, first (quantizes the GGUF)"),
                  ("torch", "swiftwrite --backend torch --weights int4, second (reads the int4 file)")]
+    if a.auto:
+        shutil.rmtree(d / "home-auto", ignore_errors=True)
+        runs += [("auto", "swiftwrite --backend auto, first run (probe, both backends timed)"),
+                 ("auto", "swiftwrite --backend auto, second run")]
     for backend, label in runs:
-        row = run_once(d, prompt, a.tokens, a.threads, d / f"stats-{len(report['runs'])}.json", backend)
+        home = d / "home-auto" if backend == "auto" else None
+        row = run_once(d, prompt, a.tokens, a.threads, d / f"stats-{len(report['runs'])}.json", backend, home)
         row["run"] = label
         report["runs"].append(row)
         print(json.dumps(row)[:400], flush=True)
