@@ -75,29 +75,31 @@ def test_auto_without_a_working_binding_runs_torch_with_one_notice(gguf_dir, bro
         backends.choose(Config(backend="ggml"), gguf_dir, "cpu")
 
 
-def test_auto_times_both_once_keeps_the_times_and_then_loads_only_the_faster(gguf_dir, tmp_path, home):
+def test_auto_times_each_once_keeps_the_times_and_then_loads_only_the_faster(gguf_dir, tmp_path, home):
     pytest.importorskip("llama_cpp")
     from test_ggml import tiny_config
 
     torch_dir, _ = tiny_hf_model("llama", out_dir=tmp_path / "torch")
-    loads, opened = {"torch": 0, "ggml": 0}, []
+    loads, opened = {"torch": 0, "ggml": 0, "ggml-repacked": 0}, []
 
     def load_torch():
         assert all(m.handle is None for m in opened), "one backend's weights at a time: llama.cpp's model is closed"
         loads["torch"] += 1
         return load_lean(torch_dir)
 
-    def load_ggml():
-        loads["ggml"] += 1
-        opened.append(ggmlmodel.GgmlModel(gguf_dir / "model.gguf", tiny_config(), threads=1))
+    def load_ggml(name):
+        loads[name] += 1
+        loading = ggmlmodel.REPACKED if name == "ggml-repacked" else ggmlmodel.INVARIANT
+        opened.append(ggmlmodel.GgmlModel(gguf_dir / "model.gguf", tiny_config(), threads=1, loading=loading))
         return opened[-1]
 
     said = []
     name, model = backends.measured(gguf_dir, 1, load_torch, load_ggml, said.append)
-    assert loads == {"torch": 1, "ggml": 1 + (name == "ggml")}  # timed one after the other; a winning ggml reloaded
+    # timed one after the other; a winning llama.cpp loading is loaded again
+    assert loads == {"torch": 1, "ggml": 1 + (name == "ggml"), "ggml-repacked": 1 + (name == "ggml-repacked")}
     times = next(v for k, v in measurements.read(backends._path()).items() if "/rows" not in k)
-    assert name == min(times, key=times.get)
-    assert model.__class__.__name__ == ("GgmlModel" if name == "ggml" else "LeanModel")
+    assert set(times) == {"torch", "ggml", "ggml-repacked"} and name == backends._fastest(times)
+    assert model.__class__.__name__ == ("LeanModel" if name == "torch" else "GgmlModel")
     assert len(said) == 1 and said[0].startswith(f"backend: {name}")
     before = dict(loads)
     again, _ = backends.measured(gguf_dir, 1, load_torch, load_ggml)
@@ -136,6 +138,38 @@ def test_a_binding_built_with_llamafile_loads_stock_and_names_the_rebuild_in_one
     model.close()
     assert model.loading == ggmlmodel.STOCK and able.steps_apart and not able.governed
     assert ggmlbinding.REBUILD in able.not_exact and able.not_exact.count(". ") == 0
+
+
+def test_auto_takes_the_repacked_loading_only_where_it_is_clearly_faster():
+    """Repacked weights give up trees: auto takes them over the invariant loading only at REPACKED_FASTER or below
+    (an 8B-shaped Q4_0: 0.68; the default Q4_1 model: 0.93-1.0, a tie), and torch wherever it is the fastest."""
+    fastest = backends._fastest
+    assert fastest({"ggml": 10.0, "ggml-repacked": 9.0, "torch": 20.0}) == "ggml"
+    assert fastest({"ggml": 10.0, "ggml-repacked": 6.8, "torch": 20.0}) == "ggml-repacked"
+    assert fastest({"ggml": 10.0, "ggml-repacked": 6.8, "torch": 5.0}) == "torch"
+    assert fastest({"ggml": 10.0, "torch": 12.0}) == "ggml"  # times kept before the repacked loading was a candidate
+
+
+def test_repacked_weights_load_without_trees_and_their_finding_is_kept_apart(gguf_dir, home, monkeypatch):
+    """--backend ggml-repacked: batches part from single steps (a GEMM from 4 rows), so no trees and prefills in
+    whole batches, exact by the engine's replay; threads keep the bits, so the governor steers it. Its finding is
+    kept beside the invariant loading's, and the next load probes nothing."""
+    pytest.importorskip("llama_cpp")
+    from test_ggml import tiny_config
+
+    cfg = dataclasses.replace(tiny_config(), max_positions=2048)
+    first = backends.load_ggml(gguf_dir, cfg, 2, backend="ggml-repacked")
+    able, found = first.abilities, first.found
+    first.close()
+    assert first.loading == ggmlmodel.REPACKED and found.steps_apart and found.batch_rows > 1
+    assert able.max_rows == 1 and able.governed and "batch" in able.not_exact
+    invariant = backends.load_ggml(gguf_dir, cfg, 2)  # its own finding, probed now
+    invariant.close()
+    assert invariant.loading == ggmlmodel.INVARIANT and invariant.found.invariant
+    monkeypatch.setattr(ggmlprobe, "probe", lambda model, trees=True: pytest.fail("probed again"))
+    again = backends.load_ggml(gguf_dir, cfg, 2, backend="ggml-repacked")
+    again.close()
+    assert again.loading == ggmlmodel.REPACKED and again.found == found
 
 
 def test_the_cpu_extensions_are_named():

@@ -119,3 +119,18 @@ def default_model_dir_of(work):
     from swiftwrite.models import store
 
     return store.locate(store.DEFAULT_MODEL)
+
+
+def test_repacked_weights_run_without_drafts_record_their_backend_and_resume_to_the_same_tokens(work):
+    """--backend ggml-repacked (auto takes it where repacked weights step clearly faster: a Q4_0 8B, not this Q4_1
+    model): drafting is off in one sentence, the run directory records the loading, a resume keeps it."""
+    whole = run(work, "rep-whole", *SAMPLED, "--backend", "ggml-repacked")
+    assert yaml.safe_load((whole / "config.yaml").read_text())["backend"] == "ggml-repacked"
+    d = work / "rep-half"
+    p = sw("generate", work / "prompt.txt", "--run-dir", d, "--tokens", T // 2, "--chunk", CHUNK, *SAMPLED,
+           "--backend", "ggml-repacked", "--no-live", env=env(), cwd=work)
+    assert p.returncode == 0, p.stderr
+    assert b"drafts could change the text" in p.stderr  # said at the start (and in the summary)
+    p = sw("resume", d, "--tokens", T, "--quiet", env=clean_env(SWIFTWRITE_BACKEND="ggml"), cwd=work)
+    assert p.returncode == 0, p.stderr
+    assert read_tokens(d) == read_tokens(whole) and text_of(d) == text_of(whole)

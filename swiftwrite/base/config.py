@@ -33,7 +33,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHTS = ("auto", "float", "int8", "int4")
 # which forward runs the model: torch (ours), ggml (llama.cpp's kernels on a GGUF, ggmlmodel.py), auto (measured
 # once per model and machine, backends.py)
-BACKENDS = ("auto", "torch", "ggml")
+BACKENDS = ("auto", "torch", "ggml", "ggml-repacked")
 MIN_LOOP = 16  # shortest --stop-on-loop: the loop tracker's floor (repetition.Repeats min_len of the alarm)
 MAX_SECTIONS = 200  # outline.MAX_SECTIONS, repeated so that reading options stays light
 MAX_TOKENS = 10_000_000  # far past any model's usefulness; catches a typo'd extra zero or two
@@ -105,7 +105,7 @@ class Config:
              "cannot be combined with an outline yet (--outline, --plan); drop one of the two")
         need(not ((self.ban or self.ban_file) and self.tp > 1), "ban",
              "is not built for tensor parallelism yet; drop --tp or the banned phrases")
-        need(not (self.backend == "ggml" and self.tp > 1), "backend",
+        need(not (self.backend.startswith("ggml") and self.tp > 1), "backend",
              "runs llama.cpp in one process; drop --tp, or use --backend torch for tensor parallelism")
         return self
 

@@ -109,8 +109,8 @@ OPTIONS: tuple[Option, ...] = (
            "auto | float | int8 | int4: quantized linear layers on the CPU (default auto = float)."),
     # auto: the faster of torch float and llama.cpp on the GGUF's own bits, timed at the first run on this machine
     # (backends.py); a run keeps the backend it was written with (another backend computes other last bits)
-    Option("backend", str, "auto", "NAME", "auto | torch | ggml: our PyTorch forward or llama.cpp's kernels on the "
-           "GGUF (default auto: the faster here, measured once)."),
+    Option("backend", str, "auto", "NAME", "auto | torch | ggml | ggml-repacked: our PyTorch forward or llama.cpp's "
+           "kernels on the GGUF, repacked weights without drafts (default auto: the fastest here, measured once)."),
     # which attention kernels the forward uses
     Option("attention", str, "auto", "NAME", "auto | torch | triton | flash (GPU kernels; default auto)."),
     # replay the verification and decoding forwards from CUDA graphs (trees padded to 1, 2, 4 .. 64 nodes);

@@ -29,6 +29,9 @@ from . import ggmlbinding, ggmlmodel, ggmlprobe
 TIMED_STEPS = 24  # plain steps timed per candidate (after 8 of warm-up), once per model and machine
 ROWS = "/rows-v6"  # the key of the probe's finding (v6: the loading it is of, by name)
 LOADINGS = {"invariant": ggmlmodel.INVARIANT, "repacked": ggmlmodel.REPACKED, "stock": ggmlmodel.STOCK}
+LLAMA = ("ggml", "ggml-repacked")  # llama.cpp: loaded invariantly (trees, the governor), or with repacked weights
+REPACKED_FASTER = 0.8  # auto takes ggml-repacked (no trees) over ggml only where its step takes at most this
+# fraction of ggml's: a closer gain is within what drafts and step noise move (Q4_0 8B: 0.68; Q4_1 135M: 0.93-1.0)
 
 
 def cpu_extensions() -> list[str]:
@@ -83,10 +86,10 @@ def choose(cfg, model_dir: Path, device: str, say=lambda msg: None) -> str:
     if cfg.backend == "torch":
         return "torch"
     why = why_not_ggml(cfg, model_dir, device)
-    if cfg.backend == "ggml":
+    if cfg.backend in LLAMA:
         if why:
             raise UserError(why)
-        return "ggml"
+        return cfg.backend
     if why and "llama-cpp-python" in why and gguf_path(model_dir) is not None:
         say("llama-cpp-python is not installed or does not load, so the model runs on the torch path "
             "(pip install 'swiftwrite[ggml]' for llama.cpp's kernels).")
@@ -97,42 +100,44 @@ def load(name: str, model_dir: Path, threads: int, load_torch, load_ggml_model, 
     """The chosen backend's model (`auto`: `measured`), and the name of the one that runs."""
     if name == "torch":
         return name, load_torch()
-    if name == "ggml":
-        return name, load_ggml_model()
+    if name in LLAMA:
+        return name, load_ggml_model(name)
     return measured(model_dir, threads, load_torch, load_ggml_model, say)
 
 
 def runs_torch_weights(name: str) -> bool:
     """Whether --weights (torch's float or re-quantized weights) applies: not on llama.cpp, which runs the GGUF's own
     bits."""
-    return name != "ggml"
+    return name not in LLAMA
 
 
 def file_bytes(name: str, model_dir: Path) -> int:
     """The bytes a backend that maps its model file (llama.cpp: the GGUF) will hold; 0 for the others."""
-    return gguf_path(model_dir).stat().st_size if name == "ggml" else 0
+    return gguf_path(model_dir).stat().st_size if name in LLAMA else 0
 
 
 def describe(name: str, device: str, dtype: str, weights: str) -> str:
     """Where the model computes, for the KV cache's line."""
-    if name == "ggml":
-        return "llama.cpp, float16"
+    if name in LLAMA:
+        return "llama.cpp, float16" + (", repacked weights" if name == "ggml-repacked" else "")
     return f"{device}/{dtype}" + (f", {weights} weights" if weights != "float" else "")
 
 
 def curve_key(name: str, weights: str) -> str:
     """What a cost curve depends on of the backend: llama.cpp's kernels are another curve; torch's quantized
     products too."""
-    if name == "ggml":
+    if name in LLAMA:
         return f"/{name}"
     return f"/w-{weights}" if weights != "float" and name == "torch" else ""
 
 
-def load_ggml(model_dir: Path, mcfg, threads: int, say=lambda msg: None) -> "ggmlmodel.GgmlModel":
-    """The GGUF in llama.cpp, loaded so that a row's bits depend on its tokens alone where the probe shows they do
-    (ggmlprobe.py), else with llama.cpp's fast paths (STOCK: a binding built with llamafile is never invariant, so
-    it is not loaded twice), with what the probe found kept once per model, machine, threads and binding build."""
-    key = f"{_key(model_dir, threads)}/{ggmlbinding.build_key()}{ROWS}"
+def load_ggml(model_dir: Path, mcfg, threads: int, say=lambda msg: None, backend: str = "ggml") -> "ggmlmodel.GgmlModel":
+    """The GGUF in llama.cpp. `ggml`: loaded so that a row's bits depend on its tokens alone where the probe shows
+    they do (ggmlprobe.py), else with llama.cpp's fast paths (STOCK: a binding built with llamafile is never
+    invariant, so it is not loaded twice). `ggml-repacked`: with repacked weights, probed for batches that repeat
+    their bits and for threads (no trees). What the probe found is kept once per model, machine, threads, binding
+    build and loading."""
+    key = f"{_key(model_dir, threads)}/{ggmlbinding.build_key()}{ROWS}" + ("/repacked" if backend != "ggml" else "")
     kept = measurements.kept(_path(), key, _finding)
     path = gguf_path(model_dir)
     if kept is not None:
@@ -141,6 +146,11 @@ def load_ggml(model_dir: Path, mcfg, threads: int, say=lambda msg: None) -> "ggm
         return model
     say(f"checking that llama.cpp computes each row from its tokens alone here (once per model, machine, {threads} "
         "threads and binding build)")
+    if backend == "ggml-repacked":
+        model = ggmlmodel.GgmlModel(path, mcfg, threads=threads, loading=ggmlmodel.REPACKED)
+        found = ggmlprobe.probe(model, trees=False)
+        measurements.keep(_path(), key, {**dataclasses.asdict(found), "loading": "repacked"})
+        return model
     name = "stock" if ggmlbinding.with_llamafile() else "invariant"
     model = ggmlmodel.GgmlModel(path, mcfg, threads=threads, loading=LOADINGS[name])
     found = ggmlprobe.probe(model)
@@ -165,32 +175,42 @@ def measured(model_dir: Path, threads: int, load_torch, load_ggml_model, say=lam
         return _no_batches(rows["note"], load_torch, say)
     loaded, no_batches = {}, []
 
-    def time_both() -> dict | None:
-        ggml = load_ggml_model()
+    def time_all() -> dict | None:
+        ggml = load_ggml_model("ggml")
         if ggml.found.note and ggml.batch_rows == 1:
             no_batches.append(ggml.found.note)  # and the model is dropped before torch's is loaded
             return None
-        ggml_ms = step_ms(ggml)
+        times = {"ggml": step_ms(ggml)}
         # one backend's weights at a time: a big GGUF's first run held llama.cpp's mapped file and torch's weights
         # together (20.2 GB for an 8B-shaped one against llama.cpp's 8.2). The winner is loaded again below; the
         # file is then in the page cache and the probe's finding kept
         ggml.close()
+        repacked = load_ggml_model("ggml-repacked")
+        times["ggml-repacked"] = step_ms(repacked)
+        repacked.close()
         loaded["torch"] = load_torch()
-        return {"ggml": ggml_ms, "torch": step_ms(loaded["torch"])}
+        return {**times, "torch": step_ms(loaded["torch"])}
 
-    times = measurements.cached(_path(), key, time_both, _times)
+    times = measurements.cached(_path(), key, time_all, _times)
     if times is None:
         return _no_batches(no_batches[0], load_torch, say)
-    name = "ggml" if times["ggml"] <= times["torch"] else "torch"
-    if name not in loaded:  # the times were kept: only the faster one is loaded
-        loaded[name] = load_ggml_model() if name == "ggml" else load_torch()
+    name = _fastest(times)
+    if name not in loaded:  # the times were kept: only the fastest is loaded
+        loaded[name] = load_ggml_model(name) if name in LLAMA else load_torch()
     model = loaded.pop(name)
-    loaded.clear()  # the slower one, when both were timed
-    other = "torch" if name == "ggml" else "ggml"
-    say(f"backend: {name} ({'llama.cpp' if name == 'ggml' else 'PyTorch'}): a step takes {times[name]:.1f} ms against "
-        f"{times[other]:.1f} ms on {other} on this machine ({'/'.join(cpu_extensions())}, {threads} threads; measured "
-        f"once, kept in {_path()}; --backend {other} to insist)")
+    loaded.clear()  # torch's, when it was timed and lost
+    others = ", ".join(f"{times[k]:.1f} ms on {k}" for k in times if k != name)
+    say(f"backend: {name} ({'PyTorch' if name == 'torch' else 'llama.cpp'}): a step takes {times[name]:.1f} ms against "
+        f"{others} on this machine ({'/'.join(cpu_extensions())}, {threads} threads; measured once, kept in "
+        f"{_path()}; --backend NAME to insist)")
     return name, model
+
+
+def _fastest(times: dict) -> str:
+    """The backend `auto` runs: llama.cpp's invariant loading (drafts, the governor) unless torch is faster, or the
+    repacked loading is faster by REPACKED_FASTER (kept times from before it was timed have no such entry)."""
+    ggml = "ggml-repacked" if times.get("ggml-repacked", float("inf")) <= REPACKED_FASTER * times["ggml"] else "ggml"
+    return ggml if times[ggml] <= times["torch"] else "torch"
 
 
 def _finding(entry: dict) -> dict | None:

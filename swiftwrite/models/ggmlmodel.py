@@ -59,8 +59,8 @@ class Loading:
 INVARIANT = Loading(flash_attn=0, repack=False)  # a row's bits from its tokens alone (with a build without llamafile)
 # repacked weights without flash attention: Q4_0 / Q4_K / IQ4_NL products as fast as llama.cpp's own (an 8B-shaped
 # Q4_0 step: 94 ms against the invariant loading's 139, 2026-12-06), a batch of 4+ rows with other bits than single
-# steps: no trees, exact by the engine's replay (steps_apart; probe(trees=False)). Not chosen by any run yet: the
-# run directory would have to record the loading, since its text differs from the invariant loading's
+# steps: no trees, exact by the engine's replay (steps_apart; probe(trees=False)), threads without effect (the
+# governor). --backend ggml-repacked; auto takes it where it is faster (backends.REPACKED_FASTER)
 REPACKED = Loading(flash_attn=0, repack=True)
 STOCK = Loading(flash_attn=1, repack=True)  # llama.cpp's fast paths: batches keep single steps' bits at short context
 
@@ -257,7 +257,7 @@ class GgmlModel:
         f = self.found
         note = f"{f.note}{rebuild_hint()}" if f.note else None
         return Abilities(hidden=False, scratch_lengths=False, max_rows=f.max_rows, steps_apart=f.steps_apart,
-                         chains_only=not f.branches, not_exact=note, governed=not (f.threads_apart or f.steps_apart),
+                         chains_only=not f.branches, not_exact=note, governed=not f.threads_apart,
                          saves_cells=build_key())
 
     @property

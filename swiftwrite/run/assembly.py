@@ -140,7 +140,7 @@ def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype, attention: s
 def load_weights(lm: Loaded, display_log=lambda msg: None) -> None:
     """The weights, on the backend chosen (`auto`: the faster here, timed at the first run and kept)."""
     torch_model = lambda: _load_torch(lm, display_log)  # noqa: E731
-    ggml_model = lambda: backends.load_ggml(lm.ref.path, lm.mcfg, torch.get_num_threads(), display_log)  # noqa: E731
+    ggml_model = lambda name: backends.load_ggml(lm.ref.path, lm.mcfg, torch.get_num_threads(), display_log, name)  # noqa
     lm.backend, lm.model = backends.load(lm.backend, lm.ref.path, torch.get_num_threads(), torch_model, ggml_model,
                                          display_log)
     if not backends.runs_torch_weights(lm.backend):
