@@ -144,13 +144,14 @@ def load_ggml(model_dir: Path, mcfg, threads: int, say=lambda msg: None, backend
         model = ggmlmodel.GgmlModel(path, mcfg, threads=threads, loading=LOADINGS[kept.pop("loading")])
         model.apply(ggmlprobe.Finding(**kept))
         return model
-    say(f"checking that llama.cpp computes each row from its tokens alone here (once per model, machine, {threads} "
-        "threads and binding build)")
+    once = f"once per model, machine, {threads} threads and binding build"
     if backend == "ggml-repacked":
+        say(f"checking how llama.cpp computes rows with repacked weights here ({once})")
         model = ggmlmodel.GgmlModel(path, mcfg, threads=threads, loading=ggmlmodel.REPACKED)
         found = ggmlprobe.probe(model, trees=False)
         measurements.keep(_path(), key, {**dataclasses.asdict(found), "loading": "repacked"})
         return model
+    say(f"checking that llama.cpp computes each row from its tokens alone here ({once})")
     name = "stock" if ggmlbinding.with_llamafile() else "invariant"
     model = ggmlmodel.GgmlModel(path, mcfg, threads=threads, loading=LOADINGS[name])
     found = ggmlprobe.probe(model)
