@@ -355,6 +355,7 @@ def test_with_repacked_weights_a_restart_anywhere_continues_exactly_with_or_with
     """Prefills in whole batches, whose rows part from single steps: a restart computes each position as the
     running engine did (a step at a time since the span's rebuild), or puts back the cells it saved."""
     assert repacked.found.steps_apart and repacked.max_rows == 1 and repacked.batch_rows > 1
+    assert threads.same_bits(repacked, 1, threads.signature(repacked))  # the governor's check runs (no tree in it)
     whole, _ = run_long(repacked, 1500)
     first = whole[:cut]
     rest, _ = run_long(repacked, 1500 - cut, history=prompt() + first)

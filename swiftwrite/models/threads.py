@@ -65,7 +65,8 @@ def wanted(most: int, free: int | float, others: float) -> int:
 @torch.inference_mode()
 def signature(model) -> list[torch.Tensor]:
     """What the model computes on a fixed input, at its current thread count: a prompt-like chunk (every row's logits
-    and the K/V it writes), one step after it, and the probe tree of exact.py over it."""
+    and the K/V it writes), one step after it, and the probe tree of exact.py over it where the model verifies trees
+    that large."""
     g = torch.Generator().manual_seed(1)
     vocab, dev = model.cfg.vocab_size, model.device
     ids = torch.randint(0, vocab, (PROBE_CHUNK + 1,), generator=g).to(dev)
@@ -75,6 +76,9 @@ def signature(model) -> list[torch.Tensor]:
     cache.length = PROBE_CHUNK
     step, _ = model.forward(ids[PROBE_CHUNK:], torch.tensor([PROBE_CHUNK], device=dev), cache)
     cache.length += 1
+    rows = model.abilities.max_rows
+    if rows is not None and rows < len(tree):  # a forward that verifies no such tree (llama.cpp's repacked weights)
+        return [chunk, step, *cache.written(cache.length)]
     nodes, _ = model.forward(tree, cache.length + depth, cache, mask=mask)
     return [chunk, step, nodes, *cache.written(cache.length + len(tree))]
 
