@@ -242,8 +242,10 @@ def load_yaml(path: Path) -> dict:
     return data
 
 
-def resolve(config_file: Path | None, flags: dict, environ=os.environ, base: dict | None = None) -> Config:
-    """defaults (or `base`, a saved run's config) < YAML < SWIFTWRITE_* env < flags (None = not given)."""
+def resolve(config_file: Path | None, flags: dict, environ=os.environ, base: dict | None = None,
+            line: tuple[str, dict] | None = None) -> Config:
+    """defaults (or `base`, a saved run's config) < YAML < SWIFTWRITE_* env < flags (None = not given) < `line`,
+    a batch's document: (where it is, "jobs.jsonl line 3"; its options by name)."""
     cfg = Config()
     where: dict[str, str] = {}
     if base:
@@ -255,4 +257,6 @@ def resolve(config_file: Path | None, flags: dict, environ=os.environ, base: dic
            if k.startswith("SWIFTWRITE_") and k[len("SWIFTWRITE_"):].lower() in FIELDS}
     _apply(cfg, env, lambda k, n: f"SWIFTWRITE_{k.upper()}", where)
     _apply(cfg, {k: v for k, v in flags.items() if v is not None}, lambda k, n: flag(k), where)
+    if line is not None:
+        _apply(cfg, line[1], lambda k, n: f"{line[0]}: {k}" if n else line[0], where)
     return cfg.validate(where)
