@@ -1,4 +1,4 @@
-"""Command line: `swiftwrite generate`, `resume`, `bench`, `train-heads`, `models list|pull`.
+"""Command line: `swiftwrite generate`, `batch`, `resume`, `bench`, `train-heads`, `models list|pull`.
 
 Every option of a command is a row of a table in options.py (`with_options` makes them its parameters). Values
 arrive as strings and are typed by `config.typed`, the same code that reads YAML and the environment, so a bad
@@ -42,10 +42,11 @@ def heavy() -> SimpleNamespace:
     # heavy (torch): imported on a command's first use
     from .io import ui
     from .models import store
-    from .run import bench, ranks, writer
+    from .run import batch, bench, ranks, writer
     from .training import train_heads
 
-    return SimpleNamespace(bench=bench, ranks=ranks, store=store, train_heads=train_heads, ui=ui, writer=writer)
+    return SimpleNamespace(batch=batch, bench=bench, ranks=ranks, store=store, train_heads=train_heads, ui=ui,
+                           writer=writer)
 
 
 def with_options(*tables: tuple[Option, ...], after: dict[str, tuple[str, ...]] | None = None):
@@ -127,10 +128,36 @@ def generate(
 
 
 @app.command()
+@with_options(OPTIONS, options.BATCH)
+def batch(
+    jobs: str = typer.Argument(..., metavar="JOBS", help="JSONL file, one document a line (- for standard input): "
+                               "\"prompt\" (the brief, or a file), \"out\" (its file), any generate option by name."),
+    **flags: Optional[str],
+):
+    """Write many documents from one loaded model, each a run of its own in --out-dir.
+
+    A line's paths are read from the jobs file's folder; options on the command line are every document's defaults.
+    Exit status: 0 all written, 1 one or more failed (the manifest says why), 2 bad usage, 3 one or more stopped at a
+    loop, 130 / 143 interrupted (`swiftwrite resume DIR` continues).
+    """
+    own = given(options.BATCH, flags)
+    if own.out_dir is None:
+        raise UsageError("batch needs --out-dir DIR: a new directory for the manifest and each document's run.")
+    run = {o.name: flags[o.name] for o in OPTIONS}
+    jobs_read = inputs.read_jobs(jobs, own.config, run, own.out_dir)  # every line checked before anything heavy
+    raise typer.Exit(heavy().batch.start(jobs_read, "standard input" if jobs == "-" else jobs, own.out_dir, own.quiet,
+                                         own.no_live, own.stats_json))
+
+
+@app.command()
 @with_options(options.RESUME)
-def resume(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="The run directory to continue."), **flags):
+def resume(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="The run directory to continue (or a batch's "
+                                                                        "--out-dir: every unfinished document)."),
+           **flags):
     """Continue an interrupted run exactly where its last checkpoint left it."""
     o = given(options.RESUME, flags)
+    if (run_dir / "manifest.json").is_file() and not (run_dir / "meta.json").exists():
+        _resume_batch(run_dir, o)
     if o.tokens is not None:
         config_mod.Config(tokens=o.tokens).validate({"tokens": "--tokens"})
     if o.tp is not None:
@@ -153,6 +180,15 @@ def resume(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="The run 
         raise typer.Exit(m.ranks.launch(world, sys.argv[1:]))
     raise typer.Exit(m.writer.resume(run_dir, o.tokens, o.out, o.force, o.quiet, o.no_live, o.stats_json, world,
                                      o.edited, o.threads))
+
+
+def _resume_batch(out_dir: Path, o: SimpleNamespace) -> None:
+    """`resume DIR` on a batch's directory: every document that has not ended, each with its own settings."""
+    for name in ("tokens", "out", "tp", "threads", "edited", "force"):
+        if getattr(o, name) not in (None, False):
+            raise UsageError(f"{config_mod.flag(name)} applies to one run; {out_dir} is a batch: resume one of its "
+                             f"documents with `swiftwrite resume {out_dir}/runs/NAME {config_mod.flag(name)} ...`.")
+    raise typer.Exit(heavy().batch.resume(out_dir, o.quiet, o.no_live, o.stats_json))
 
 
 @app.command()

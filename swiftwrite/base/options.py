@@ -180,6 +180,14 @@ RESUME: tuple[Option, ...] = (
            "tokens, appended to FILE (or --out)."),
 )
 
+BATCH: tuple[Option, ...] = (  # besides OPTIONS, which are every document's defaults (a line's own keys win)
+    Option("out_dir", Path, None, "DIR", "The batch's directory: a manifest and a run directory per document (new; "
+           "`swiftwrite resume DIR` continues it)."),
+    Option("config", Path, None, "FILE", "YAML file with options, defaults for every document."),
+    QUIET, NO_LIVE,
+    Option("stats_json", Path, None, "FILE", "Write the batch's statistics, and each document's, as JSON."),
+)
+
 BENCH: tuple[Option, ...] = (
     # None: bench.DEFAULT, or bench.QUICK with --quick
     Option("methods", str, None, "LIST", "Comma-separated: llama.cpp, llama.cpp-lookup, hf, hf-lookup, none, "

@@ -44,6 +44,21 @@ class Progress:
     backtracks: int | None = None  # banned phrases: times decoding went back (None: no phrase banned)
 
 
+@dataclass
+class BatchProgress:
+    """A batch's progress (batch.py): its documents, its tokens, and the one document being written now."""
+
+    finished: int  # documents that ended (written, stopped at a loop, or failed) of `total`
+    total: int
+    failed: int
+    tokens: int  # tokens this process wrote, every document's
+    tokens_left: int  # what the unfinished documents still have to write
+    seconds: float  # this process's writing time
+    weakest: str  # the finished document with the lowest Distinct-4, and its figures ("" while none)
+    current: str  # the document being written
+    doc: Progress | None = None  # its progress
+
+
 QUALITY_WINDOW = 2000  # tokens the live Distinct-4 looks back: recent enough to show a loop as it starts
 # Distinct-1 over the last 500 tokens shows the two failures Distinct-4 and the repeat miss: word salad (lists
 # of words, glued words: 0.85-1.0 on the default model) and a template loop (one sentence with a word swapped:
@@ -155,6 +170,30 @@ class Display:
         if self._live is not None and (force or now - self._last >= 0.25):
             self._last = now
             self._live.update(self._render(p, recent, avg))
+
+    def batch(self, b: BatchProgress, force: bool = False) -> None:
+        """The batch's line (plain) or panel (live): documents, aggregate tokens/s, time left, the weakest text."""
+        if self.mode == "quiet" or not (force or time.monotonic() - self._last >= (0.25 if self._live else self.every)):
+            return
+        self._last = time.monotonic()
+        rate = b.tokens / b.seconds if b.seconds > 0 else 0.0
+        rows = [("documents", f"{b.finished}/{b.total} finished" + (f", {b.failed} failed" if b.failed else "")),
+                ("tokens/s", f"{rate:.1f} over the batch, {b.tokens:,} tokens"),
+                ("left", f"{eta(b.tokens_left, rate)} ({b.tokens_left:,} tokens)"),
+                ("weakest text", b.weakest or "-")]
+        if b.doc is not None:
+            p = b.doc
+            rows.append(("writing", f"{b.current}: {p.done}/{p.target} tokens, Distinct-4 {_d4(p)}, Distinct-1 "
+                                    f"{_d1(p)}, verbatim repeat {p.repeat}"))
+        if self._live is None:
+            print("[swiftwrite batch] " + "  ".join(f"{k} {v}" for k, v in rows), file=sys.stderr, flush=True)
+            return
+        t = Table.grid(padding=(0, 2))
+        t.add_column(style="bold")
+        t.add_column()
+        for k, v in rows:
+            t.add_row(k, v)
+        self._live.update(Panel(t, title="swiftwrite batch", border_style="cyan"))
 
     def _render(self, p: Progress, recent: float, avg: float):
         # rich's TimeRemainingColumn needs the task's own timing; the recent rate is the better estimate anyway

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -41,9 +42,14 @@ from .session import open_out, plain_int, unpack_state
 def generate(inputs: Inputs, quiet: bool, no_live: bool) -> int:
     """Write the document `inputs` (inputs.read, which checked what the user typed) asks for."""
     display = Display(Display.choose(quiet, no_live))
+    return write_new(inputs, open_model(inputs.cfg, display), display)
+
+
+def write_new(inputs: Inputs, lm: Loaded, display: Display) -> int:
+    """A new run of `inputs` on the opened model `lm` (its weights loaded here if they are not yet): `generate`'s
+    one document, or each of a batch's documents on the model the batch loaded once (batch.py)."""
     cfg, brief, source, sections, budgets = inputs.cfg, inputs.brief, inputs.source, inputs.sections, inputs.budgets
     path, out_path, stats_json = inputs.run_dir, inputs.out, inputs.stats_json
-    lm = open_model(cfg, display)
     if cfg.plan or cfg.plan_only:
         sections = _plan(cfg, lm, brief, out_path, display)
         if cfg.plan_only:
@@ -79,7 +85,8 @@ def _plan(cfg: Config, lm: Loaded, brief: str, out_path: Path | None, display: D
     # the prompt is not known before the plan: check the weights and the document's KV cache against free
     # memory now, before any weight is read, as make_window does for runs without planning
     make_window(cfg, lm, 0, Display("quiet"))  # its notices come once, in open_session
-    load_weights(lm, display.info)
+    if lm.model is None:  # a batch's later documents run on the weights its first loaded
+        load_weights(lm, display.info)
     sections = plan_outline(cfg, lm, brief, display)
     if cfg.plan_only:
         fh = open_out(out_path)
@@ -179,12 +186,41 @@ def _reopen_model(cfg: Config, rd: RunDir, force: bool, complete: bool, display:
                             "Use --force to do it anyway.")
         display.info("resuming with a different model (--force): the continuation will differ from the original run.")
     lm = open_model(cfg, display, ref)
+    _repair_text(rd, lm, complete, display)
+    return lm
+
+
+def _repair_text(rd: RunDir, lm: Loaded, complete: bool, display: Display) -> None:
     if rd.text_damaged:
         rd.replace_text(rebuilt_text(rd, lm.tok))
         if complete:
             rd.checkpoint(rd.stats, rd.drafter_state(), finished=rd.finished)
         display.info("output.txt was damaged and has been rebuilt from the token ids.")
-    return lm
+
+
+def continue_document(run_dir: Path, out_path: Path, stats_json: Path | None, display: Display,
+                      model_for: Callable[[Config], Loaded]) -> int:
+    """A batch's document whose run directory exists: continued to its target on the batch's model (`model_for(cfg)`:
+    loaded once for the documents that share its settings), its text rewritten to `out_path`; a finished one only
+    writes its text there."""
+    rd = RunDir.open(run_dir)
+    try:
+        cfg = _opened_run(rd, None, out_path, 1, None, None, display)
+        complete = len(rd.tokens) >= cfg.tokens
+        lm = None
+        if not complete or rd.text_damaged:
+            lm = model_for(cfg)
+            if lm.ref.fingerprint != rd.fingerprint:
+                raise UserError(f"{rd.path} was written with another model (fingerprint {rd.fingerprint}, now "
+                                f"{lm.ref.fingerprint}); continue it alone with `swiftwrite resume {rd.path} --force` "
+                                "if another text is what you want.")
+            _repair_text(rd, lm, complete, display)
+        if complete:
+            open_out(out_path, (rd.path / "output.txt").read_text(encoding="utf-8")).close()
+            return 0
+        return _continue(cfg, lm, rd, out_path, stats_json, display)
+    finally:
+        rd.close()
 
 
 def _continue(cfg: Config, lm: Loaded, rd: RunDir, out_path: Path | None, stats_json: Path | None,
