@@ -143,10 +143,12 @@ def batch(
     own = given(options.BATCH, flags)
     if own.out_dir is None:
         raise UsageError("batch needs --out-dir DIR: a new directory for the manifest and each document's run.")
+    if own.parallel < 1:
+        raise UsageError(f"--parallel {own.parallel}: give the number of documents to write at a time, 1 or more.")
     run = {o.name: flags[o.name] for o in OPTIONS}
     jobs_read = inputs.read_jobs(jobs, own.config, run, own.out_dir)  # every line checked before anything heavy
     raise typer.Exit(heavy().batch.start(jobs_read, "standard input" if jobs == "-" else jobs, own.out_dir, own.quiet,
-                                         own.no_live, own.stats_json))
+                                         own.no_live, own.stats_json, own.parallel))
 
 
 @app.command()

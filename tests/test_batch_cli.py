@@ -126,3 +126,76 @@ def test_resume_refuses_a_single_runs_options_on_a_batch(work):
     (work / "a-batch" / "manifest.json").write_text("{}")
     p = sw("resume", "a-batch", "--tokens", 99, cwd=work, timeout=60)
     assert p.returncode == 2 and b"runs/NAME --tokens" in p.stderr, p.stderr
+
+
+def test_documents_written_side_by_side_are_each_its_solo_run(work, solo):
+    p = sw("batch", "jobs.jsonl", "--out-dir", "side", "--parallel", 2, "--tokens", T, "--chunk", CHUNK, "--no-live",
+           "--stats-json", "side.json", cwd=work)
+    assert p.returncode == 0, p.stderr
+    assert b"2 documents at a time" in p.stderr, p.stderr
+    assert json.loads((work / "side" / "manifest.json").read_text())["parallel"] == 2
+    assert_solo(work, work / "side", solo)
+    assert json.loads((work / "side.json").read_text())["tokens"] == 3 * T
+
+
+def test_a_side_by_side_batch_killed_leaves_no_writer_and_resumes_to_every_solo_text(work, solo):
+    batch, tmp = work / "side-killed", work / "side-killed.proc"
+    tmp.mkdir()
+    runs = [batch / "runs" / "001-novel", batch / "runs" / "002-report"]
+    with Holds(tmp / "holds") as holds:
+        bg = Background(tmp, ["batch", work / "jobs.jsonl", "--out-dir", batch, "--parallel", 2, "--tokens", T,
+                              "--chunk", CHUNK, "--no-live"], env=clean_env(**holds.env()))
+        # a checkpoint held while both workers have begun their documents: the kill lands inside both
+        assert holds.until(bg.proc, lambda: all(r.is_dir() for r in runs)), "the batch ended first"
+        bg.proc.kill()
+        rc, _, err = bg.finish()
+        assert rc == -signal.SIGKILL, err
+        # the workers die with the batch process (still held, they would keep their run directories locked)
+        p = sw("resume", batch, "--no-live", cwd=tmp)
+    assert p.returncode == 0, p.stderr
+    assert_solo(work, batch, solo)
+
+
+def test_ctrl_c_stops_every_worker_at_a_checkpoint_and_resume_completes_the_batch(work, solo):
+    batch, tmp = work / "side-int", work / "side-int.proc"
+    tmp.mkdir()
+    runs = [batch / "runs" / "001-novel", batch / "runs" / "002-report"]
+    with Holds(tmp / "holds") as holds:
+        bg = Background(tmp, ["batch", work / "jobs.jsonl", "--out-dir", batch, "--parallel", 2, "--tokens", T,
+                              "--chunk", CHUNK, "--no-live"], env=clean_env(**holds.env()))
+        assert holds.until(bg.proc, lambda: all(r.is_dir() for r in runs)), "the batch ended first"
+        bg.proc.send_signal(signal.SIGINT)
+        assert holds.signalled(bg.proc, signal.SIGINT), "the held worker never saw the Ctrl-C"
+        holds.open()  # one "*" a worker: each opens the gate for good for the process that reads it
+        holds.open()
+        rc, _, err = bg.finish()
+    assert rc == 130, err
+    assert "swiftwrite resume" in err, err
+    statuses = [d["status"] for d in json.loads((batch / "manifest.json").read_text())["documents"]]
+    assert statuses[2] == "pending" and "done" not in statuses[:2] and "interrupted" in statuses[:2], statuses
+    p = sw("resume", batch, "--no-live", cwd=work)
+    assert p.returncode == 0, p.stderr
+    assert_solo(work, batch, solo)
+
+
+def test_a_model_whose_bits_follow_the_thread_count_writes_its_documents_alone(tmp_path):
+    """The transformers fallback keeps no promise across thread counts (Abilities.governed is False): a worker
+    hands its documents back, and the batch writes them on the run's own threads, each its solo run."""
+    from test_heads import add_byte_tokenizer
+    from test_hfmodel import build
+
+    model = tmp_path / "gpt2-tiny"
+    build("gpt2", model, vocab_size=256)
+    add_byte_tokenizer(model)
+    env = clean_env(SWIFTWRITE_HOME=str(tmp_path / "home"))
+    lines = [{"prompt": "Once upon a time", "out": "one.md"}, {"prompt": "The mill stood", "out": "two.md", "seed": 5}]
+    (tmp_path / "jobs.jsonl").write_text("".join(json.dumps(j) + "\n" for j in lines))
+    common = ["--model", model, "--raw", "--tokens", 16]
+    p = sw("batch", "jobs.jsonl", "--out-dir", "b", "--parallel", 2, "--no-live", *common, cwd=tmp_path, env=env)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count(b"written after the others, alone") == 2, p.stderr
+    for job in lines:
+        q = sw("generate", "-", "--out", "solo.md", "--run-dir", f"solo-{job['out']}", "--quiet", *common,
+               *(["--seed", job["seed"]] if "seed" in job else []), stdin=job["prompt"].encode(), cwd=tmp_path, env=env)
+        assert q.returncode == 0, q.stderr
+        assert (tmp_path / job["out"]).read_text() == (tmp_path / "solo.md").read_text()

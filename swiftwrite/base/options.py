@@ -184,6 +184,8 @@ BATCH: tuple[Option, ...] = (  # besides OPTIONS, which are every document's def
     Option("out_dir", Path, None, "DIR", "The batch's directory: a manifest and a run directory per document (new; "
            "`swiftwrite resume DIR` continues it)."),
     Option("config", Path, None, "FILE", "YAML file with options, defaults for every document."),
+    Option("parallel", int, 1, "N", "Documents written at a time, each in a process of its own with its share of "
+           "the cores (default 1; capped at the cores)."),
     QUIET, NO_LIVE,
     Option("stats_json", Path, None, "FILE", "Write the batch's statistics, and each document's, as JSON."),
 )

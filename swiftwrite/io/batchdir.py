@@ -40,6 +40,12 @@ class BatchDir:
     def documents(self) -> list[dict]:
         return self.manifest["documents"]
 
+    @property
+    def parallel(self) -> int:
+        """Documents written at a time (--parallel), as the batch was started (1 in a manifest from before it)."""
+        n = self.manifest.get("parallel", 1)
+        return n if isinstance(n, int) and n >= 1 else 1
+
     def run_dir(self, name: str) -> Path:
         return self.path / "runs" / name
 
@@ -59,11 +65,12 @@ class BatchDir:
                             f"`swiftwrite resume {p}`.")
 
     @classmethod
-    def create(cls, path: Path, jobs_file: str, documents: list[tuple[int, str, str, dict]]) -> BatchDir:
-        """`documents`: (line, name, out, job record) in the jobs file's order."""
+    def create(cls, path: Path, jobs_file: str, documents: list[tuple[int, str, str, dict]], parallel: int = 1
+               ) -> BatchDir:
+        """`documents`: (line, name, out, job record) in the jobs file's order; `parallel`: documents at a time."""
         p = Path(path)
         cls.check_new(p)
-        manifest = {"format": 1, "created": now(), "jobs": jobs_file,
+        manifest = {"format": 1, "created": now(), "jobs": jobs_file, "parallel": parallel,
                     "documents": [{"line": line, "name": name, "out": out, "status": "pending", "why": None}
                                   for line, name, out, _ in documents]}
         final = p.resolve()

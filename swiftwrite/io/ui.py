@@ -46,17 +46,16 @@ class Progress:
 
 @dataclass
 class BatchProgress:
-    """A batch's progress (batch.py): its documents, its tokens, and the one document being written now."""
+    """A batch's progress (batch.py): its documents, its tokens, and the documents being written now."""
 
     finished: int  # documents that ended (written, stopped at a loop, or failed) of `total`
     total: int
     failed: int
-    tokens: int  # tokens this process wrote, every document's
+    tokens: int  # tokens this process and its workers wrote, every document's
     tokens_left: int  # what the unfinished documents still have to write
-    seconds: float  # this process's writing time
+    seconds: float  # the batch's writing time
     weakest: str  # the finished document with the lowest Distinct-4, and its figures ("" while none)
-    current: str  # the document being written
-    doc: Progress | None = None  # its progress
+    writing: tuple = ()  # (name, Progress) of each document being written
 
 
 QUALITY_WINDOW = 2000  # tokens the live Distinct-4 looks back: recent enough to show a loop as it starts
@@ -181,9 +180,8 @@ class Display:
                 ("tokens/s", f"{rate:.1f} over the batch, {b.tokens:,} tokens"),
                 ("left", f"{eta(b.tokens_left, rate)} ({b.tokens_left:,} tokens)"),
                 ("weakest text", b.weakest or "-")]
-        if b.doc is not None:
-            p = b.doc
-            rows.append(("writing", f"{b.current}: {p.done}/{p.target} tokens, Distinct-4 {_d4(p)}, Distinct-1 "
+        for name, p in b.writing:
+            rows.append(("writing", f"{name}: {p.done}/{p.target} tokens, Distinct-4 {_d4(p)}, Distinct-1 "
                                     f"{_d1(p)}, verbatim repeat {p.repeat}"))
         if self._live is None:
             print("[swiftwrite batch] " + "  ".join(f"{k} {v}" for k, v in rows), file=sys.stderr, flush=True)

@@ -8,9 +8,10 @@ byte for byte and `swiftwrite resume DIR/runs/NAME` continues it alone. `swiftwr
 document that has not ended, from its last checkpoint. A document that fails (its disk fills, its prompt does
 not fit the context) stops only that document; the manifest says why, and a resume tries it again.
 
-Not yet here: documents written side by side through one forward (continuous batching; llama.cpp's invariant rows
-make their bits independent of the batch) and Ray. The batch's panel shows the documents finished, the tokens/s
-over the batch, the time left, and the finished document with the weakest text.
+With --parallel N, N documents are written at a time, each in a worker process with its share of the cores and its
+own model (workers.py, pool.py: why processes and not one forward over N documents' rows, and how each stays its
+solo run). Not yet here: Ray. The batch's panel shows the documents finished, the tokens/s over the batch, the time
+left, the finished document with the weakest text, and the documents being written.
 """
 
 from __future__ import annotations
@@ -25,24 +26,20 @@ from pathlib import Path
 from ..base.errors import UserError
 from ..io.batchdir import BatchDir
 from ..io.ui import BatchProgress, Display, Progress
-from .assembly import open_model
-from .inputs import Inputs, Job, check_writable
-from .records import Loaded
-from .writer import continue_document, write_new
+from .inputs import Job, check_writable
+from .pool import Pool
+from .workers import INTERRUPTED, LOOPED, WRITTEN, Models, Task, write_document
 
-# a document's exit (writer.generate's): written; stopped at a loop (--stop-on-loop); interrupted by SIGINT / SIGTERM
-WRITTEN, LOOPED, INTERRUPTED = 0, 3, (130, 143)
 ENDED = ("done", "stopped")  # what a resume leaves alone: written to its target, or ended at a loop by the user's rule
-# the settings that decide which model runs: documents that share them share one loaded model
-MODEL_SETTINGS = ("model", "device", "dtype", "weights", "backend", "threads", "attention", "cuda_graphs")
 
 
-def start(jobs: list[Job], jobs_name: str, out_dir: Path, quiet: bool, no_live: bool, stats_json: Path | None) -> int:
-    """A new batch of `jobs` (inputs.read_jobs) in `out_dir`; the exit code (batch_code)."""
+def start(jobs: list[Job], jobs_name: str, out_dir: Path, quiet: bool, no_live: bool, stats_json: Path | None,
+          parallel: int = 1) -> int:
+    """A new batch of `jobs` (inputs.read_jobs) in `out_dir`, `parallel` documents at a time; the exit code."""
     check_writable(stats_json, "--stats-json")
     # `out` as an absolute path: a resume may run from another folder
     bd = BatchDir.create(out_dir, jobs_name, [(j.line, j.name, str(j.inputs.out.resolve()), j.inputs.record())
-                                              for j in jobs])
+                                              for j in jobs], parallel)
     try:
         return _write(bd, Display(Display.choose(quiet, no_live)), stats_json)
     finally:
@@ -50,35 +47,14 @@ def start(jobs: list[Job], jobs_name: str, out_dir: Path, quiet: bool, no_live: 
 
 
 def resume(out_dir: Path, quiet: bool, no_live: bool, stats_json: Path | None) -> int:
-    """Continue every document of the batch in `out_dir` that has not ended (written, or stopped at a loop)."""
+    """Continue every document of the batch in `out_dir` that has not ended (written, or stopped at a loop), as many
+    at a time as the batch was started with."""
     check_writable(stats_json, "--stats-json")
     bd = BatchDir.open(out_dir)
     try:
         return _write(bd, Display(Display.choose(quiet, no_live)), stats_json)
     finally:
         bd.close()
-
-
-class Models:
-    """The batch's model: opened for the first document, kept while the next documents' settings resolve to the same
-    model, weights, backend and threads, and only then replaced (one model in memory at a time)."""
-
-    def __init__(self, display: Display):
-        self.display, self.lm, self.resolved = display, None, None
-        self.opened: dict[tuple, tuple] = {}  # a document's model settings -> what they resolved to
-
-    def __call__(self, cfg) -> Loaded:
-        asked = tuple(getattr(cfg, name) for name in MODEL_SETTINGS)  # cfg: a Config, read by its field names
-        if asked not in self.opened or self.opened[asked] != self.resolved:
-            lm = open_model(cfg, self.display if self.lm is None else Display("quiet"))
-            key = (lm.ref.fingerprint, lm.device, str(lm.dtype), lm.weights, lm.backend, lm.threads, lm.attention,
-                   lm.cuda_graphs)
-            self.opened[asked] = key
-            if key != self.resolved:
-                self.lm = None
-                gc.collect()  # the last model's weights and llama.cpp contexts, before the next loads
-                self.lm, self.resolved = lm, key
-        return self.lm
 
 
 @dataclass
@@ -92,6 +68,7 @@ class _Tally:
     seconds: float = 0.0
     left: int = 0  # tokens the unfinished documents still have to write
     documents: dict = field(default_factory=dict)  # name -> its figures (from its stats file)
+    began: float = field(default_factory=time.perf_counter)
 
     def weakest(self) -> str:
         quality = [(d["distinct_4"], name, d) for name, d in self.documents.items() if d.get("distinct_4") is not None]
@@ -99,6 +76,14 @@ class _Tally:
             return ""
         d4, name, d = min(quality)
         return f"{name}: Distinct-4 {d4:.3f}, longest repeat {d['longest_repeat']} tokens"
+
+    def progress(self, writing: dict[str, Progress | None]) -> BatchProgress:
+        """The panel's figures, with the documents being written now and their progress (None: not yet begun)."""
+        shown = tuple((name, p) for name, p in writing.items() if p is not None)
+        return BatchProgress(self.finished, self.total, self.failed,
+                             self.tokens + sum(p.tokens_this_process for _, p in shown),
+                             max(0, self.left - sum(p.done for _, p in shown)), time.perf_counter() - self.began,
+                             self.weakest(), shown)
 
 
 def _write(bd: BatchDir, display: Display, stats_json: Path | None) -> int:
@@ -109,56 +94,72 @@ def _write(bd: BatchDir, display: Display, stats_json: Path | None) -> int:
             tally.documents[d["name"]] = _figures(bd, d)
     tally.left = sum(_target(bd, d) for d in todo)
     display.info(f"batch {bd.path}: {len(todo)} of {len(bd.documents)} documents to write")
-    models = Models(display)
-    began = time.perf_counter()
     display.start()
     try:
-        for d in todo:
-            code = _one(bd, d, models, display, tally, began)
+        if bd.parallel > 1 and len(todo) > 1:
+            pool = Pool(bd.parallel, len(todo), display)
+            code, todo = pool.run([_task(bd, d) for d in todo], lambda name: bd.mark(name, "writing"),
+                                  lambda name, code, why: _ended(bd, _entry(bd, name), code, why, tally, display),
+                                  lambda writing: display.batch(tally.progress(writing)))
             if code in INTERRUPTED:
-                display.stop()
-                print(f"swiftwrite: the batch was interrupted at {d['name']}; every document is saved. Continue "
-                      f"the batch with: swiftwrite resume {bd.path}", file=sys.stderr, flush=True)
-                return code
+                return _interrupted(bd, display, code)
+            todo = [_entry(bd, name) for name in todo]
+        models = Models(display)
+        for d in todo:
+            code = _one(bd, d, models, display, tally)
+            if code in INTERRUPTED:
+                return _interrupted(bd, display, code)
     finally:
         display.stop()
-    return _finish(bd, tally, display, stats_json, time.perf_counter() - began)
+    return _finish(bd, tally, display, stats_json, time.perf_counter() - tally.began)
 
 
-def _one(bd: BatchDir, d: dict, models: Models, display: Display, tally: _Tally, began: float) -> int:
-    """Write (or continue) one document; its status, why and figures into the manifest; its exit code."""
-    name, out = d["name"], Path(d["out"])
-    run, stats = bd.run_dir(name), bd.stats_file(name)
-    target = _target(bd, d)
-    shown = _DocumentDisplay(display, name, lambda p, force: display.batch(_progress(tally, d, p, began), force))
+def _interrupted(bd: BatchDir, display: Display, code: int) -> int:
+    display.stop()
+    writing = ", ".join(d["name"] for d in bd.documents if d["status"] == "interrupted")
+    print(f"swiftwrite: the batch was interrupted ({writing or 'between documents'}); every document is saved. "
+          f"Continue the batch with: swiftwrite resume {bd.path}", file=sys.stderr, flush=True)
+    return code
+
+
+def _one(bd: BatchDir, d: dict, models: Models, display: Display, tally: _Tally) -> int:
+    """Write (or continue) one document in this process; its status, why and figures into the manifest; its code."""
+    name = d["name"]
+    shown = _DocumentDisplay(display, name, lambda p, force: display.batch(tally.progress({name: p}), force))
     bd.mark(name, "writing")
-    stats.unlink(missing_ok=True)
-    try:
-        if run.is_dir():  # made whole or not at all (rundir.py): the document started
-            code = continue_document(run, out, stats, shown, models)
-        else:
-            code = write_new(Inputs.from_record(bd.job(name), run, out, stats), models(_config(bd, name)), shown)
-    except UserError as e:
-        tally.finished, tally.failed, tally.left = tally.finished + 1, tally.failed + 1, tally.left - target
-        bd.mark(name, "failed", why=str(e))
-        display.alert(f"swiftwrite: {name} ({out}) failed: {e} The other documents go on.")
-        return 1
-    if code in INTERRUPTED:
-        bd.mark(name, "interrupted")
-        return code
-    figures = _figures(bd, d)
-    tally.documents[name] = figures
-    tally.finished, tally.left = tally.finished + 1, tally.left - target
-    tally.tokens += figures.get("tokens", 0)
-    status = "done" if code == WRITTEN else "stopped" if code == LOOPED else "failed"
-    bd.mark(name, status, why="stopped at a verbatim loop (--stop-on-loop)" if code == LOOPED else None, **figures)
-    display.batch(_progress(tally, None, None, began), force=True)
+    code, why = write_document(_task(bd, d), models, shown)
+    _ended(bd, d, code, why, tally, display)
     gc.collect()  # the document's engine and llama.cpp context, before the next one makes its own
     return code
 
 
-def _config(bd: BatchDir, name: str):
-    return Inputs.from_record(bd.job(name), bd.run_dir(name), Path("-"), None).cfg
+def _ended(bd: BatchDir, d: dict, code: int, why: str | None, tally: _Tally, display: Display) -> None:
+    """A document's end, from this process or a worker: the manifest, the tally and the panel."""
+    name, target = d["name"], _target(bd, d)
+    if code in INTERRUPTED:
+        bd.mark(name, "interrupted", why=why)
+        return
+    tally.finished, tally.left = tally.finished + 1, tally.left - target
+    if why is not None:  # failed: it stops only this document
+        tally.failed += 1
+        bd.mark(name, "failed", why=why)
+        display.alert(f"swiftwrite: {name} ({d['out']}) failed: {why} The other documents go on.")
+        return
+    figures = _figures(bd, d)
+    tally.documents[name] = figures
+    tally.tokens += figures.get("tokens", 0)
+    status = "done" if code == WRITTEN else "stopped" if code == LOOPED else "failed"
+    bd.mark(name, status, why="stopped at a verbatim loop (--stop-on-loop)" if code == LOOPED else None, **figures)
+    display.batch(tally.progress({}), force=True)
+
+
+def _task(bd: BatchDir, d: dict) -> Task:
+    name = d["name"]
+    return Task(name, d["out"], bd.job(name), str(bd.run_dir(name)), str(bd.stats_file(name)))
+
+
+def _entry(bd: BatchDir, name: str) -> dict:
+    return next(d for d in bd.documents if d["name"] == name)
 
 
 def _target(bd: BatchDir, d: dict) -> int:
@@ -176,14 +177,6 @@ def _figures(bd: BatchDir, d: dict) -> dict:
     return {"tokens": s.get("tokens", 0), "total_tokens": s.get("total_tokens", 0), "seconds": s.get("seconds", 0.0),
             "tokens_per_second": s.get("tokens_per_second", 0.0),
             "distinct_4": (s.get("distinct") or {}).get("distinct_4"), "longest_repeat": s.get("longest_repeat")}
-
-
-def _progress(tally: _Tally, d: dict | None, p: Progress | None, began: float) -> BatchProgress:
-    now = time.perf_counter() - began
-    doing = p.tokens_this_process if p is not None else 0
-    return BatchProgress(tally.finished, tally.total, tally.failed, tally.tokens + doing,
-                         max(0, tally.left - (p.done if p is not None else 0)), now, tally.weakest(),
-                         f"{d['name']}" if d else "", p)
 
 
 def _finish(bd: BatchDir, tally: _Tally, display: Display, stats_json: Path | None, seconds: float) -> int:

@@ -199,13 +199,13 @@ def _repair_text(rd: RunDir, lm: Loaded, complete: bool, display: Display) -> No
 
 
 def continue_document(run_dir: Path, out_path: Path, stats_json: Path | None, display: Display,
-                      model_for: Callable[[Config], Loaded]) -> int:
+                      model_for: Callable[[Config], Loaded], threads: int | None = None) -> int:
     """A batch's document whose run directory exists: continued to its target on the batch's model (`model_for(cfg)`:
     loaded once for the documents that share its settings), its text rewritten to `out_path`; a finished one only
-    writes its text there."""
+    writes its text there. `threads`: as resume's --threads (None: the run's own)."""
     rd = RunDir.open(run_dir)
     try:
-        cfg = _opened_run(rd, None, out_path, 1, None, None, display)
+        cfg = _opened_run(rd, None, out_path, 1, None, None, display, threads)
         complete = len(rd.tokens) >= cfg.tokens
         lm = None
         if not complete or rd.text_damaged:
