@@ -138,15 +138,20 @@ def test_documents_written_side_by_side_are_each_its_solo_run(work, solo):
     assert json.loads((work / "side.json").read_text())["tokens"] == 3 * T
 
 
+def held_side_by_side(work: Path, batch: Path, tmp: Path, holds: Holds) -> Background:
+    """A `--parallel 2` batch held at a checkpoint once both workers have begun their documents."""
+    runs = [batch / "runs" / "001-novel", batch / "runs" / "002-report"]
+    bg = Background(tmp, ["batch", work / "jobs.jsonl", "--out-dir", batch, "--parallel", 2, "--tokens", T,
+                          "--chunk", CHUNK, "--no-live"], env=clean_env(**holds.env()))
+    assert holds.until(bg.proc, lambda: all(r.is_dir() for r in runs)), "the batch ended first"
+    return bg
+
+
 def test_a_side_by_side_batch_killed_leaves_no_writer_and_resumes_to_every_solo_text(work, solo):
     batch, tmp = work / "side-killed", work / "side-killed.proc"
     tmp.mkdir()
-    runs = [batch / "runs" / "001-novel", batch / "runs" / "002-report"]
     with Holds(tmp / "holds") as holds:
-        bg = Background(tmp, ["batch", work / "jobs.jsonl", "--out-dir", batch, "--parallel", 2, "--tokens", T,
-                              "--chunk", CHUNK, "--no-live"], env=clean_env(**holds.env()))
-        # a checkpoint held while both workers have begun their documents: the kill lands inside both
-        assert holds.until(bg.proc, lambda: all(r.is_dir() for r in runs)), "the batch ended first"
+        bg = held_side_by_side(work, batch, tmp, holds)  # the kill lands inside both documents
         bg.proc.kill()
         rc, _, err = bg.finish()
         assert rc == -signal.SIGKILL, err
@@ -159,11 +164,8 @@ def test_a_side_by_side_batch_killed_leaves_no_writer_and_resumes_to_every_solo_
 def test_ctrl_c_stops_every_worker_at_a_checkpoint_and_resume_completes_the_batch(work, solo):
     batch, tmp = work / "side-int", work / "side-int.proc"
     tmp.mkdir()
-    runs = [batch / "runs" / "001-novel", batch / "runs" / "002-report"]
     with Holds(tmp / "holds") as holds:
-        bg = Background(tmp, ["batch", work / "jobs.jsonl", "--out-dir", batch, "--parallel", 2, "--tokens", T,
-                              "--chunk", CHUNK, "--no-live"], env=clean_env(**holds.env()))
-        assert holds.until(bg.proc, lambda: all(r.is_dir() for r in runs)), "the batch ended first"
+        bg = held_side_by_side(work, batch, tmp, holds)
         bg.proc.send_signal(signal.SIGINT)
         assert holds.signalled(bg.proc, signal.SIGINT), "the held worker never saw the Ctrl-C"
         holds.open()  # one "*" a worker: each opens the gate for good for the process that reads it

@@ -23,11 +23,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..base.errors import UserError
 from ..io.batchdir import BatchDir
 from ..io.ui import BatchProgress, Display, Progress
 from .inputs import Job, check_writable
 from .pool import Pool
+from .runstats import write_stats_json
 from .workers import INTERRUPTED, LOOPED, WRITTEN, Models, Task, write_document
 
 ENDED = ("done", "stopped")  # what a resume leaves alone: written to its target, or ended at a loop by the user's rule
@@ -194,11 +194,7 @@ def _finish(bd: BatchDir, tally: _Tally, display: Display, stats_json: Path | No
         if d["status"] == "failed":
             display.alert(f"swiftwrite: {d['name']} ({d['out']}) failed: {d['why']}")
     if stats_json is not None:
-        try:
-            stats_json.write_text(json.dumps(summary, indent=2))
-        except OSError as e:
-            raise UserError(f"could not write --stats-json {stats_json} ({e.strerror}); the batch itself is saved "
-                            f"in {bd.path}.") from None
+        write_stats_json(stats_json, summary, f"the batch itself is saved in {bd.path}.")
     return 1 if counts["failed"] else LOOPED if counts["stopped"] else WRITTEN
 
 

@@ -4,9 +4,12 @@ checkpoints' stats, progress.jsonl and the stats JSON are all read from this one
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from ..base.errors import UserError
 from ..base.metrics import distinct_n
 from ..decoding.engine import Step
 from ..io.rundir import RunDir
@@ -78,3 +81,11 @@ class RunStats:
 def plain_int(v, upper: int) -> int:
     """`v` if it is an int in [0, upper] (not a bool), else 0: for numbers read back from a checkpoint."""
     return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= upper else 0
+
+
+def write_stats_json(path: Path, stats: dict, saved: str) -> None:
+    """--stats-json: `stats` as JSON; where that fails, one sentence that ends with `saved` (where the work is)."""
+    try:
+        path.write_text(json.dumps(stats, indent=2))
+    except OSError as e:
+        raise UserError(f"could not write --stats-json {path} ({e.strerror}); {saved}") from None

@@ -9,7 +9,6 @@ stats JSON are all read from that one record.
 from __future__ import annotations
 
 import io
-import json
 import os
 import resource
 import sys
@@ -35,7 +34,7 @@ from ..models.backends import cpu_extensions
 from . import schedule
 from .interrupts import Interrupt, interrupted_before_the_loop, lost, resume_command, until_a_rank_is_lost
 from .records import Loaded, Resolved
-from .runstats import RunStats, plain_int
+from .runstats import RunStats, plain_int, write_stats_json
 
 # ---------------------------------------------------------------------------------------------------------
 # Drafter state in a checkpoint
@@ -338,11 +337,7 @@ class Session:
                  f"distinct_1_per_{WORDS_WINDOW}": distinct_per_window(rd.tokens, WORDS_WINDOW)}
         display.summary(final)
         if stats_json is not None:
-            try:
-                stats_json.write_text(json.dumps(final, indent=2))
-            except OSError as e:
-                raise UserError(f"could not write --stats-json {stats_json} ({e.strerror}); the run itself is saved "
-                                f"in {rd.path}.") from None
+            write_stats_json(stats_json, final, f"the run itself is saved in {rd.path}.")
         if st.stopped == "loop":
             display.alert(f"swiftwrite: stopped at {st.done}/{st.target} tokens because the text repeated its last "
                           f"{st.repeat} tokens verbatim (--stop-on-loop {cfg.stop_on_loop}); the run is saved, and "
