@@ -28,7 +28,7 @@ from ..io.ui import BatchProgress, Display, Progress
 from .inputs import Job, check_writable
 from .pool import Pool
 from .runstats import write_stats_json
-from .workers import INTERRUPTED, LOOPED, WRITTEN, Models, Task, write_document
+from .workers import INTERRUPTED, LOOPED, WRITTEN, DocumentDisplay, Models, Task, write_document
 
 ENDED = ("done", "stopped")  # what a resume leaves alone: written to its target, or ended at a loop by the user's rule
 
@@ -125,7 +125,8 @@ def _interrupted(bd: BatchDir, display: Display, code: int) -> int:
 def _one(bd: BatchDir, d: dict, models: Models, display: Display, tally: _Tally) -> int:
     """Write (or continue) one document in this process; its status, why and figures into the manifest; its code."""
     name = d["name"]
-    shown = _DocumentDisplay(display, name, lambda p, force: display.batch(tally.progress({name: p}), force))
+    shown = DocumentDisplay(lambda kind, text: (display.info if kind == "info" else display.alert)(text),
+                            lambda p, force: display.batch(tally.progress({name: p}), force), name)
     bd.mark(name, "writing")
     code, why = write_document(_task(bd, d), models, shown)
     _ended(bd, d, code, why, tally, display)
@@ -196,30 +197,3 @@ def _finish(bd: BatchDir, tally: _Tally, display: Display, stats_json: Path | No
     if stats_json is not None:
         write_stats_json(stats_json, summary, f"the batch itself is saved in {bd.path}.")
     return 1 if counts["failed"] else LOOPED if counts["stopped"] else WRITTEN
-
-
-class _DocumentDisplay(Display):
-    """A document's view inside the batch: its notices and alerts name it; its progress goes to the batch's panel,
-    which the batch starts and stops (the document's own panel and summary table are not shown)."""
-
-    def __init__(self, batch: Display, name: str, progress):
-        super().__init__("quiet")
-        self._batch, self._name, self._progress = batch, name, progress
-
-    def info(self, msg: str) -> None:
-        self._batch.info(f"{self._name}: {msg}")
-
-    def alert(self, msg: str) -> None:
-        self._batch.alert(f"swiftwrite: {self._name}: {msg.removeprefix('swiftwrite: ')}")
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def update(self, p: Progress, force: bool = False) -> None:
-        self._progress(p, force)
-
-    def summary(self, stats: dict) -> None:
-        pass

@@ -91,7 +91,8 @@ class Models:
         return self.lm
 
 
-def write_document(task: Task, models: Callable, display: Display, threads: int | None = None) -> tuple[int, str | None]:
+def write_document(task: Task, models: Callable, display: Display, threads: int | None = None
+                   ) -> tuple[int, str | None]:
     """Write (or continue) one document on `models`' model; its exit code and, where it failed, why.
 
     `threads`: run it on this many threads (a worker's share), not the run's own. Deferred passes through."""
@@ -116,7 +117,7 @@ def serve(slot: int, threads: int, tasks, results) -> None:
     calm = lambda signum, frame: stop.append(signum)  # noqa: E731 (between documents: end after this one)
     signal.signal(signal.SIGINT, calm)
     signal.signal(signal.SIGTERM, calm)
-    display = _Relay(results, slot)
+    display = _relay(results, slot)
     models = Models(display, threads)
     results.put(("ready", slot))
     while not stop and (task := tasks.get()) is not None:
@@ -149,18 +150,20 @@ def _die_with_parent() -> None:
             os._exit(1)
 
 
-class _Relay(Display):
-    """A worker's display: its notices, alerts and progress go to the batch process, named by the document."""
+class DocumentDisplay(Display):
+    """A document's view inside a batch: its notices and alerts name it and go to `say(kind, text)` ("info" or
+    "alert": the batch's display, or a worker's report); its progress to `progress(p, force)`. The batch starts and
+    stops its own panel; the document's panel and summary table are not shown."""
 
-    def __init__(self, results, slot: int):
+    def __init__(self, say: Callable[[str, str], None], progress: Callable[[Progress, bool], None], name: str = ""):
         super().__init__("quiet")
-        self.results, self.slot, self.name, self.sent = results, slot, "", 0.0
+        self.say, self.progress, self.name = say, progress, name
 
     def info(self, msg: str) -> None:
-        self.results.put(("info", self.slot, f"{self.name}: {msg}" if self.name else msg))
+        self.say("info", f"{self.name}: {msg}" if self.name else msg)
 
     def alert(self, msg: str) -> None:
-        self.results.put(("alert", self.slot, f"swiftwrite: {self.name}: {msg.removeprefix('swiftwrite: ')}"))
+        self.say("alert", f"swiftwrite: {self.name}: {msg.removeprefix('swiftwrite: ')}")
 
     def start(self) -> None:
         pass
@@ -169,9 +172,22 @@ class _Relay(Display):
         pass
 
     def update(self, p: Progress, force: bool = False) -> None:
-        if force or time.monotonic() - self.sent >= 0.25:  # the panel redraws 4 times a second at most
-            self.sent = time.monotonic()
-            self.results.put(("progress", self.slot, self.name, p))
+        self.progress(p, force)
 
     def summary(self, stats: dict) -> None:
         pass
+
+
+def _relay(results, slot: int) -> DocumentDisplay:
+    """A worker's display: what it says goes to the batch process through `results`, its progress 4 times a
+    second at most (the panel redraws no faster)."""
+    sent = [0.0]
+    shown: DocumentDisplay
+
+    def progress(p: Progress, force: bool) -> None:
+        if force or time.monotonic() - sent[0] >= 0.25:
+            sent[0] = time.monotonic()
+            results.put(("progress", slot, shown.name, p))
+
+    shown = DocumentDisplay(lambda kind, text: results.put((kind, slot, text)), progress)
+    return shown
