@@ -17,8 +17,9 @@ Then, in fresh processes (so each peak resident memory is its own), one after th
   3. with --torch: `swiftwrite generate --backend torch --weights int4`, twice (the first run quantizes the GGUF to
      the int4 kernel's layout a layer at a time; the second reads the stored int4 file).
   4. with --auto: `swiftwrite generate` with the default `--backend auto`, twice, in a store of its own: the first
-     run probes llama.cpp and times both backends (one after the other: since 2026-12-06 llama.cpp's model is closed
-     before torch's weights load), the second reads what the first kept.
+     run probes llama.cpp, times its two loadings and prices torch from models of its first 1 and 8 layers (since
+     2026-12-07: before, it converted the whole GGUF to int4 to time it), the second reads what the first kept.
+     The times it kept (milliseconds a step) are in the report.
 Each row: wall seconds, the process's peak resident memory (its own rusage, from wait4), the run's own
 tokens/s, and the bytes on disk (the GGUF, the int4 file). Writes machine, date and
 settings beside the figures.
@@ -138,7 +139,9 @@ def run_once(d: Path, prompt: Path, tokens: int, threads: int, stats: Path, back
     rc, peak = common.wait_child(p.pid)  # this child's own rusage: its peak resident memory, loading included
     wall = time.perf_counter() - t0
     err.seek(0)
-    row = {"command": " ".join(cmd[3:]), "rc": rc, "wall_s": round(wall, 1), "peak_rss_mib": round(peak / 2**20), "stderr_tail": err.read()[-600:]}
+    said = err.read()
+    row = {"command": " ".join(cmd[3:]), "rc": rc, "wall_s": round(wall, 1), "peak_rss_mib": round(peak / 2**20),
+           "stderr_tail": said[-600:]}
     if row["rc"] == 0 and stats.is_file():
         s = json.loads(stats.read_text())
         row.update(tokens=s.get("tokens"), tok_s=s.get("tokens_per_second"), seconds=s.get("seconds"))
@@ -198,6 +201,14 @@ def main() -> None:
     if peer_row.get("tok_s") and ggml_row.get("tok_s"):
         report["ggml_vs_llamacpp"] = {"speed": round(ggml_row["tok_s"] / peer_row["tok_s"], 3),
                                       "peak_memory": round(ggml_row["peak_rss_mib"] / peer_row["peak_rss_mib"], 3)}
+    autos = [r for r in report["runs"] if "--backend auto" in r["command"] and r.get("tok_s")]
+    if peer_row.get("tok_s") and autos:
+        report["auto_vs_llamacpp"] = [{"run": r["run"], "speed": round(r["tok_s"] / peer_row["tok_s"], 3),
+                                       "peak_memory": round(r["peak_rss_mib"] / peer_row["peak_rss_mib"], 3)}
+                                      for r in autos]
+    if a.auto:  # what auto's first run measured: llama.cpp's loadings timed, torch priced
+        kept = json.loads(next((d / "home-auto").rglob("backends.json")).read_text())
+        report["auto_times_ms"] = {k: v for k, v in kept.items() if "/rows" not in k}
     packed = quant.packed_path(d, "int4")
     report["int4_bytes"] = packed.stat().st_size if packed.is_file() else None
     report["float_copy_written"] = any(d.glob("*.safetensors"))

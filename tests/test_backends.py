@@ -9,13 +9,14 @@ import sys
 import types
 
 import pytest
+import torch
 
 from gguf_tiny import write_gguf
 from swiftwrite.models import backends, ggmlbinding, ggmlmodel, ggmlprobe
 from swiftwrite.base import measurements
 from swiftwrite.base.config import Config
 from swiftwrite.base.errors import UserError
-from swiftwrite.models.model import load_lean
+from swiftwrite.models.model import load_lean, load_lean_layers
 from tiny import tiny_hf_model
 
 
@@ -80,12 +81,16 @@ def test_auto_times_each_once_keeps_the_times_and_then_loads_only_the_faster(ggu
     from test_ggml import tiny_config
 
     torch_dir, _ = tiny_hf_model("llama", out_dir=tmp_path / "torch")
-    loads, opened = {"torch": 0, "ggml": 0, "ggml-repacked": 0}, []
+    loads, opened, priced = {"torch": 0, "ggml": 0, "ggml-repacked": 0}, [], []
 
     def load_torch():
-        assert all(m.handle is None for m in opened), "one backend's weights at a time: llama.cpp's model is closed"
         loads["torch"] += 1
         return load_lean(torch_dir)
+
+    def price_torch():
+        assert all(m.handle is None for m in opened), "one backend's weights at a time: llama.cpp's model is closed"
+        priced.append(1)
+        return backends.torch_step_ms(lambda k: load_lean_layers(torch_dir, k), 2)
 
     def load_ggml(name):
         loads[name] += 1
@@ -94,16 +99,48 @@ def test_auto_times_each_once_keeps_the_times_and_then_loads_only_the_faster(ggu
         return opened[-1]
 
     said = []
-    name, model = backends.measured(gguf_dir, 1, load_torch, load_ggml, said.append)
-    # timed one after the other; a winning llama.cpp loading is loaded again
-    assert loads == {"torch": 1, "ggml": 1 + (name == "ggml"), "ggml-repacked": 1 + (name == "ggml-repacked")}
+    name, model = backends.measured(gguf_dir, 1, load_torch, load_ggml, price_torch, said.append)
+    # llama.cpp's loadings timed one after the other, torch priced; then only the winner is loaded (again)
+    assert priced == [1] and loads == {"torch": int(name == "torch"), "ggml": 1 + (name == "ggml"),
+                                       "ggml-repacked": 1 + (name == "ggml-repacked")}
     times = next(v for k, v in measurements.read(backends._path()).items() if "/rows" not in k)
     assert set(times) == {"torch", "ggml", "ggml-repacked"} and name == backends._fastest(times)
     assert model.__class__.__name__ == ("LeanModel" if name == "torch" else "GgmlModel")
     assert len(said) == 1 and said[0].startswith(f"backend: {name}")
     before = dict(loads)
-    again, _ = backends.measured(gguf_dir, 1, load_torch, load_ggml)
-    assert again == name and loads == {**before, name: before[name] + 1}  # the loser is not loaded again
+    again, _ = backends.measured(gguf_dir, 1, load_torch, load_ggml, price_torch)
+    assert again == name and priced == [1] and loads == {**before, name: before[name] + 1}  # nothing else loaded
+
+
+def test_torch_is_priced_on_the_line_through_its_first_layer_and_its_first_eight(monkeypatch):
+    """A step's cost is a fixed part (embedding, LM head) plus one part per layer: the price of the whole model is
+    that line at its layer count, from models of no more than PRICED_LAYERS layers; a small model is timed whole."""
+    built = []
+    monkeypatch.setattr(backends, "step_ms", lambda model: 5.0 + 0.75 * model)
+
+    def layers(k):
+        built.append(k)
+        return k  # step_ms above reads the layer count
+
+    assert backends.torch_step_ms(layers, 32) == pytest.approx(5.0 + 0.75 * 32)
+    assert sorted(built) == [1, backends.PRICED_LAYERS]
+    built.clear()
+    assert backends.torch_step_ms(layers, 3) == pytest.approx(5.0 + 0.75 * 3) and built == [3]
+
+
+@pytest.mark.parametrize("weights", ["float", "int8"])
+def test_a_model_cut_to_all_its_layers_computes_what_the_whole_model_computes(tmp_path, home, weights):
+    """What auto times is the lean forward itself: cut to every layer it is the model that runs (the int8 products
+    quantized in memory equal the stored ones), and cut shorter it has that many layers."""
+    d, _ = tiny_hf_model("llama", out_dir=tmp_path / "m")
+    whole, cut, short = load_lean(d, weights=weights), load_lean_layers(d, 2, weights=weights), load_lean_layers(d, 1)
+    ids = torch.arange(7)
+    logits = []
+    for model in (whole, cut):
+        cache = model.new_cache(8)
+        logits.append(model.forward(ids, torch.arange(7), cache)[0])
+    assert whole.cfg.n_layers == 2 and len(short.layers) == 1
+    assert torch.equal(logits[0], logits[1])
 
 
 def test_loading_probes_once_per_build_keeps_the_finding_and_loads_as_it_found(gguf_dir, home):

@@ -1,7 +1,7 @@
 """Which forward runs the model: our PyTorch forward (`torch`) or llama.cpp's ggml kernels (`ggml`, ggmlmodel.py).
 
 `--backend auto` (the default) is measured, not assumed: the first run of a model on a machine times a plain step
-of each candidate whose text is the model's own (the GGUF's bits in llama.cpp; its float weights in torch; torch's
+of each candidate (torch's priced from a few of its layers, torch_step_ms) whose text is the model's own (the GGUF's bits in llama.cpp; its float weights in torch; torch's
 int8/int4 re-quantizations are another model's text and are not candidates), keeps the times in the store beside
 the cost curves (`backends.json`, keyed by model, threads and the CPU's vector extensions) and picks the faster.
 One line says what was chosen and why. Where llama.cpp's binding is missing or cannot load, auto runs the torch
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -30,6 +31,8 @@ TIMED_STEPS = 24  # plain steps timed per candidate (after 8 of warm-up), once p
 ROWS = "/rows-v6"  # the key of the probe's finding (v6: the loading it is of, by name)
 LOADINGS = {"invariant": ggmlmodel.INVARIANT, "repacked": ggmlmodel.REPACKED, "stock": ggmlmodel.STOCK}
 LLAMA = ("ggml", "ggml-repacked")  # llama.cpp: loaded invariantly (trees, the governor), or with repacked weights
+PRICED_LAYERS = 8  # torch_step_ms times models of 1 and of this many layers and extrapolates to the whole model
+PRICE_ROUNDS = 5  # ... each this many times, in turn
 REPACKED_FASTER = 0.8  # auto takes ggml-repacked (no trees) over ggml only where its step takes at most this
 # fraction of ggml's: a closer gain is within what drafts and step noise move (Q4_0 8B: 0.68; Q4_1 135M: 0.93-1.0)
 
@@ -96,13 +99,14 @@ def choose(cfg, model_dir: Path, device: str, say=lambda msg: None) -> str:
     return "torch" if why else "auto"
 
 
-def load(name: str, model_dir: Path, threads: int, load_torch, load_ggml_model, say=lambda msg: None) -> tuple[str, object]:
+def load(name: str, model_dir: Path, threads: int, load_torch, load_ggml_model, price_torch,
+         say=lambda msg: None) -> tuple[str, object]:
     """The chosen backend's model (`auto`: `measured`), and the name of the one that runs."""
     if name == "torch":
         return name, load_torch()
     if name in LLAMA:
         return name, load_ggml_model(name)
-    return measured(model_dir, threads, load_torch, load_ggml_model, say)
+    return measured(model_dir, threads, load_torch, load_ggml_model, price_torch, say)
 
 
 def runs_torch_weights(name: str) -> bool:
@@ -163,9 +167,11 @@ def load_ggml(model_dir: Path, mcfg, threads: int, say=lambda msg: None, backend
     return model
 
 
-def measured(model_dir: Path, threads: int, load_torch, load_ggml_model, say=lambda msg: None) -> tuple[str, object]:
+def measured(model_dir: Path, threads: int, load_torch, load_ggml_model, price_torch,
+             say=lambda msg: None) -> tuple[str, object]:
     """`auto`: the faster of the two on this machine, timed at the first run and kept. Returns the name and the
-    loaded model (at the first run both are timed, one after the other; the slower one is dropped).
+    loaded model. At the first run llama.cpp's two loadings are timed one after the other and torch is priced by
+    `price_torch` (torch_step_ms: a few of its layers); then only the fastest is loaded.
 
     A llama.cpp whose probe found single steps apart from batches stays a candidate: it runs without drafts,
     exactly (Engine._rebuild). One whose batches do not even repeat their own bits does not: its prefill and resume
@@ -174,37 +180,49 @@ def measured(model_dir: Path, threads: int, load_torch, load_ggml_model, say=lam
     rows = measurements.kept(_path(), f"{key}/{ggmlbinding.build_key()}{ROWS}", _finding)
     if rows is not None and rows["batch_rows"] == 1:
         return _no_batches(rows["note"], load_torch, say)
-    loaded, no_batches = {}, []
+    no_batches = []
 
     def time_all() -> dict | None:
-        ggml = load_ggml_model("ggml")
-        if ggml.found.note and ggml.batch_rows == 1:
-            no_batches.append(ggml.found.note)  # and the model is dropped before torch's is loaded
-            return None
-        times = {"ggml": step_ms(ggml)}
         # one backend's weights at a time: a big GGUF's first run held llama.cpp's mapped file and torch's weights
-        # together (20.2 GB for an 8B-shaped one against llama.cpp's 8.2). The winner is loaded again below; the
-        # file is then in the page cache and the probe's finding kept
-        ggml.close()
-        repacked = load_ggml_model("ggml-repacked")
-        times["ggml-repacked"] = step_ms(repacked)
-        repacked.close()
-        loaded["torch"] = load_torch()
-        return {**times, "torch": step_ms(loaded["torch"])}
+        # together (20.2 GB for an 8B-shaped one against llama.cpp's 8.2); each is closed once timed
+        times = {}
+        for name in LLAMA:
+            model = load_ggml_model(name)
+            if name == "ggml" and model.found.note and model.batch_rows == 1:
+                no_batches.append(model.found.note)
+                model.close()
+                return None
+            times[name] = step_ms(model)
+            model.close()
+        return {**times, "torch": price_torch()}
 
     times = measurements.cached(_path(), key, time_all, _times)
     if times is None:
         return _no_batches(no_batches[0], load_torch, say)
     name = _fastest(times)
-    if name not in loaded:  # the times were kept: only the fastest is loaded
-        loaded[name] = load_ggml_model(name) if name in LLAMA else load_torch()
-    model = loaded.pop(name)
-    loaded.clear()  # torch's, when it was timed and lost
-    others = ", ".join(f"{times[k]:.1f} ms on {k}" for k in times if k != name)
+    model = load_ggml_model(name) if name in LLAMA else load_torch()
+    others = ", ".join(f"{times[k]:.1f} ms on {k}" for k in (*LLAMA, "torch") if k != name and k in times)
     say(f"backend: {name} ({'PyTorch' if name == 'torch' else 'llama.cpp'}): a step takes {times[name]:.1f} ms against "
         f"{others} on this machine ({'/'.join(cpu_extensions())}, {threads} threads; measured once, kept in "
         f"{_path()}; --backend NAME to insist)")
     return name, model
+
+
+def torch_step_ms(load_layers, layers: int) -> float:
+    """A plain torch step of the whole model, in milliseconds, priced from models of its first layer and of its
+    first PRICED_LAYERS layers (`load_layers(k)`, model.load_lean_layers), on the line through the two: a layer's
+    cost does not depend on its index, and the embedding and LM head are in both. A first run so never holds, or
+    converts, every torch weight to time one step (an 8B-shaped Q4_0 GGUF peaked at 13.1 GB quantizing all of
+    them to int4 for this, against llama.cpp's 7.9 GB). A model of PRICED_LAYERS layers or fewer is timed whole.
+    The two are timed in turn, PRICE_ROUNDS times, and each priced by its median: the line multiplies their
+    difference by (layers - 1) / (PRICED_LAYERS - 1), and so the noise of a busy moment with it."""
+    k = min(layers, PRICED_LAYERS)
+    if k == layers:
+        return step_ms(load_layers(k))
+    one, many = load_layers(1), load_layers(k)
+    times = [(step_ms(one), step_ms(many)) for _ in range(PRICE_ROUNDS)]
+    t_one, t_many = (statistics.median(column) for column in zip(*times))
+    return t_one + (t_many - t_one) * (layers - 1) / (k - 1)
 
 
 def _fastest(times: dict) -> str:

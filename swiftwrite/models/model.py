@@ -11,6 +11,7 @@ extra small matmul is a visible share of a token's time.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -324,13 +325,7 @@ def load_lean(model_dir: Path, device="cpu", dtype=torch.float32, attention: str
               log=lambda msg: None) -> LeanModel:
     """The lean model from a Hugging Face-format directory. `weights` (config.WEIGHTS, resolved): "float" holds
     every weight in `dtype`; "int8" / "int4" quantize the products (quant.py), once, into the model store."""
-    raw = read_hf_config(model_dir)
-    try:
-        cfg = ModelConfig.from_hf(raw)
-    except (KeyError, TypeError, AttributeError) as e:
-        raise UserError(f"{model_dir}/config.json is not a usable model configuration (missing or bad {e}).") from None
-    if cfg.arch not in SUPPORTED_ARCHS:
-        raise UserError(f"architecture '{cfg.arch}' is not in the lean forward's family {SUPPORTED_ARCHS}")
+    cfg = lean_config(model_dir)
     try:
         if weights in ("int8", "int4"):
             source = weightfiles.open_weights(model_dir)
@@ -344,3 +339,29 @@ def load_lean(model_dir: Path, device="cpu", dtype=torch.float32, attention: str
         return LeanModel(cfg, tensors, device, dtype, attention)
     except KeyError as e:
         raise UserError(f"{model_dir} lacks the weight {e}; the checkpoint is incomplete or not {cfg.arch}.") from None
+
+
+def load_lean_layers(model_dir: Path, layers: int, device="cpu", dtype=torch.float32, attention: str = "auto",
+                     weights: str = "float") -> LeanModel:
+    """The lean model cut to its first `layers` layers (and its embedding and LM head), read from the model's files
+    a tensor at a time and, for int8 / int4, quantized in memory and never stored: `auto` (backends.py) times its
+    step to price the whole model's without holding, or converting, every weight."""
+    cfg = dataclasses.replace(lean_config(model_dir), n_layers=layers)
+    source = weightfiles.open_weights(model_dir)
+    try:
+        quantized = quant.quantize(source, cfg, weights) if weights in ("int8", "int4") else None
+        return LeanModel(cfg, source, device, dtype, attention, quantized=quantized)
+    except KeyError as e:
+        raise UserError(f"{model_dir} lacks the weight {e}; the checkpoint is incomplete or not {cfg.arch}.") from None
+
+
+def lean_config(model_dir: Path) -> ModelConfig:
+    """The model's configuration, for the lean forward (a UserError if it cannot run it)."""
+    raw = read_hf_config(model_dir)
+    try:
+        cfg = ModelConfig.from_hf(raw)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{model_dir}/config.json is not a usable model configuration (missing or bad {e}).") from None
+    if cfg.arch not in SUPPORTED_ARCHS:
+        raise UserError(f"architecture '{cfg.arch}' is not in the lean forward's family {SUPPORTED_ARCHS}")
+    return cfg

@@ -37,7 +37,7 @@ from ..models import backends
 from ..models.forward import Forward
 from ..models.graphs import GraphedModel
 from ..models.hfmodel import load_hf
-from ..models.model import load_lean
+from ..models.model import load_lean, load_lean_layers
 from ..models.modelfiles import check_gguf_header, load_tokenizer, model_config
 from ..models.parallel import check_divides
 from ..models.store import ModelRef, resolve, source_weights
@@ -141,8 +141,10 @@ def load_weights(lm: Loaded, display_log=lambda msg: None) -> None:
     """The weights, on the backend chosen (`auto`: the faster here, timed at the first run and kept)."""
     torch_model = lambda: _load_torch(lm, display_log)  # noqa: E731
     ggml_model = lambda name: backends.load_ggml(lm.ref.path, lm.mcfg, torch.get_num_threads(), display_log, name)  # noqa
+    torch_layers = lambda k: load_lean_layers(lm.ref.path, k, lm.device, lm.dtype, lm.attention, lm.weights)  # noqa
+    price_torch = lambda: backends.torch_step_ms(torch_layers, lm.mcfg.n_layers)  # noqa: E731 (auto's first run)
     lm.backend, lm.model = backends.load(lm.backend, lm.ref.path, torch.get_num_threads(), torch_model, ggml_model,
-                                         display_log)
+                                         price_torch, display_log)
     if not backends.runs_torch_weights(lm.backend):
         lm.weights_note = None
 
