@@ -1,8 +1,9 @@
 """Which forward runs the model: our PyTorch forward (`torch`) or llama.cpp's ggml kernels (`ggml`, ggmlmodel.py).
 
 `--backend auto` (the default) is measured, not assumed: the first run of a model on a machine times a plain step
-of each candidate (torch's priced from a few of its layers, torch_step_ms) whose text is the model's own (the GGUF's bits in llama.cpp; its float weights in torch; torch's
-int8/int4 re-quantizations are another model's text and are not candidates), keeps the times in the store beside
+of each candidate whose text is the model's own (the GGUF's bits in llama.cpp; its float weights in torch, priced
+from a few of its layers by torch_step_ms; torch's int8/int4 re-quantizations are another model's text and are
+not candidates), keeps the times in the store beside
 the cost curves (`backends.json`, keyed by model, threads and the CPU's vector extensions) and picks the faster.
 One line says what was chosen and why. Where llama.cpp's binding is missing or cannot load, auto runs the torch
 path with a one-line notice; an explicit `--backend ggml` is then an error that says how to install it.

@@ -14,8 +14,9 @@ from . import ggmlbinding
 LOOKUP_TOKENS = 2  # llama.cpp's prompt lookup drafts this many; 2 was its best setting here (0.95x at 2, 0.73x at 10)
 
 
-def load_llamacpp(gguf: Path, threads: int, context: int, lookup: bool = False):
-    """A `llama_cpp.Llama` on the GGUF with the defaults a user gets, `threads` threads, room for `context` tokens."""
+def load_llamacpp(gguf: Path, threads: int, context: int, lookup: bool = False, flash_attn: bool = False):
+    """A `llama_cpp.Llama` on the GGUF with the defaults a user gets (flash attention off: the binding's default),
+    `threads` threads, room for `context` tokens."""
     llama_cpp = ggmlbinding.binding()
     draft = None
     if lookup:
@@ -23,7 +24,7 @@ def load_llamacpp(gguf: Path, threads: int, context: int, lookup: bool = False):
 
         draft = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
     return llama_cpp.Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                           last_n_tokens_size=256, seed=0, verbose=False, draft_model=draft)
+                           last_n_tokens_size=256, seed=0, verbose=False, draft_model=draft, flash_attn=flash_attn)
 
 
 def llamacpp_generate(llm, ids: list[int], n: int, setting: dict) -> tuple[float, list[int]]:
