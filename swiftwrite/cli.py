@@ -145,10 +145,12 @@ def batch(
         raise UsageError("batch needs --out-dir DIR: a new directory for the manifest and each document's run.")
     if own.parallel < 1:
         raise UsageError(f"--parallel {own.parallel}: give the number of documents to write at a time, 1 or more.")
+    if own.ray is not None and not own.ray.strip():
+        raise UsageError("--ray needs an address: HOST:PORT of a Ray cluster's head, auto, or local to start one here.")
     run = {o.name: flags[o.name] for o in OPTIONS}
     jobs_read = inputs.read_jobs(jobs, own.config, run, own.out_dir)  # every line checked before anything heavy
     raise typer.Exit(heavy().batch.start(jobs_read, "standard input" if jobs == "-" else jobs, own.out_dir, own.quiet,
-                                         own.no_live, own.stats_json, own.parallel))
+                                         own.no_live, own.stats_json, own.parallel, own.ray))
 
 
 @app.command()

@@ -186,6 +186,8 @@ BATCH: tuple[Option, ...] = (  # besides OPTIONS, which are every document's def
     Option("config", Path, None, "FILE", "YAML file with options, defaults for every document."),
     Option("parallel", int, 1, "N", "Documents written at a time, each in a process of its own with its share of "
            "the cores (default 1; capped at the cores)."),
+    Option("ray", str, None, "ADDRESS", "Write on the Ray cluster at ADDRESS (HOST:PORT, or auto), or on one started "
+           "here (local); --parallel N is then the documents at a time on each node (pip install -e '.[ray]')."),
     QUIET, NO_LIVE,
     Option("stats_json", Path, None, "FILE", "Write the batch's statistics, and each document's, as JSON."),
 )

@@ -10,7 +10,8 @@ not fit the context) stops only that document; the manifest says why, and a resu
 
 With --parallel N, N documents are written at a time, each in a worker process with its share of the cores and its
 own model (workers.py, pool.py: why processes and not one forward over N documents' rows, and how each stays its
-solo run). Not yet here: Ray. The batch's panel shows the documents finished, the tokens/s over the batch, the time
+solo run). With --ray ADDRESS they are written by actors on a Ray cluster (raypool.py), N on each node; a resume
+continues the batch here, in processes. The batch's panel shows the documents finished, the tokens/s over the batch, the time
 left, the finished document with the weakest text, and the documents being written.
 """
 
@@ -26,7 +27,8 @@ from pathlib import Path
 from ..io.batchdir import BatchDir
 from ..io.ui import BatchProgress, Display, Progress
 from .inputs import Job, check_writable
-from .pool import Pool
+from .pool import Pool, cores
+from .raypool import RayPool, connected
 from .runstats import write_stats_json
 from .workers import INTERRUPTED, LOOPED, WRITTEN, DocumentDisplay, Models, Task, write_document
 
@@ -34,16 +36,19 @@ ENDED = ("done", "stopped")  # what a resume leaves alone: written to its target
 
 
 def start(jobs: list[Job], jobs_name: str, out_dir: Path, quiet: bool, no_live: bool, stats_json: Path | None,
-          parallel: int = 1) -> int:
-    """A new batch of `jobs` (inputs.read_jobs) in `out_dir`, `parallel` documents at a time; the exit code."""
+          parallel: int = 1, ray: str | None = None) -> int:
+    """A new batch of `jobs` (inputs.read_jobs) in `out_dir`, `parallel` documents at a time (on each node of the
+    Ray cluster at `ray`, where given); the exit code."""
     check_writable(stats_json, "--stats-json")
-    # `out` as an absolute path: a resume may run from another folder
-    bd = BatchDir.create(out_dir, jobs_name, [(j.line, j.name, str(j.inputs.out.resolve()), j.inputs.record())
-                                              for j in jobs], parallel)
-    try:
-        return _write(bd, Display(Display.choose(quiet, no_live)), stats_json)
-    finally:
-        bd.close()
+    BatchDir.check_new(out_dir)
+    with connected(ray, cores()) as cluster:  # a cluster that cannot be had is refused before anything is written
+        # `out` as an absolute path: a resume may run from another folder
+        bd = BatchDir.create(out_dir, jobs_name, [(j.line, j.name, str(j.inputs.out.resolve()), j.inputs.record())
+                                                  for j in jobs], parallel)
+        try:
+            return _write(bd, Display(Display.choose(quiet, no_live)), stats_json, cluster)
+        finally:
+            bd.close()
 
 
 def resume(out_dir: Path, quiet: bool, no_live: bool, stats_json: Path | None) -> int:
@@ -86,7 +91,9 @@ class _Tally:
                              self.weakest(), shown)
 
 
-def _write(bd: BatchDir, display: Display, stats_json: Path | None) -> int:
+def _write(bd: BatchDir, display: Display, stats_json: Path | None, cluster=None) -> int:
+    """Write the documents that have not ended: side by side (worker processes, or actors of the Ray `cluster`),
+    then in this process those handed back to be written alone, or every one where the batch is one at a time."""
     todo = [d for d in bd.documents if d["status"] not in ENDED]
     tally = _Tally(len(bd.documents), finished=len(bd.documents) - len(todo))
     for d in bd.documents:
@@ -96,9 +103,11 @@ def _write(bd: BatchDir, display: Display, stats_json: Path | None) -> int:
     display.info(f"batch {bd.path}: {len(todo)} of {len(bd.documents)} documents to write")
     display.start()
     try:
-        if bd.parallel > 1 and len(todo) > 1:
-            pool = Pool(bd.parallel, len(todo), display)
-            code, todo = pool.run([_task(bd, d) for d in todo], lambda name: bd.mark(name, "writing"),
+        if todo and (cluster is not None or (bd.parallel > 1 and len(todo) > 1)):
+            pool = (RayPool(cluster, bd.parallel, len(todo), display) if cluster is not None
+                    else Pool(bd.parallel, len(todo), display))
+            # where: the Ray actor's node and process, which the manifest names while it writes the document
+            code, todo = pool.run([_task(bd, d) for d in todo], lambda name, **where: bd.mark(name, "writing", **where),
                                   lambda name, code, why: _ended(bd, _entry(bd, name), code, why, tally, display),
                                   lambda writing: display.batch(tally.progress(writing)))
             if code in INTERRUPTED:

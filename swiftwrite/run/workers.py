@@ -109,6 +109,17 @@ def write_document(task: Task, models: Callable, display: Display, threads: int 
         return (e.exit_code if e.exit_code in INTERRUPTED else FAILED), str(e)
 
 
+def write_task(task: Task, models: Models, display: Display, threads: int) -> tuple[str, int, str | None]:
+    """A worker's document on its share of the cores (a process of --parallel's, or a Ray actor's): ("ended",
+    code, why), or ("deferred", 0, why) where its model's bits could follow the thread count."""
+    try:
+        return ("ended", *write_document(task, models, display, threads))
+    except Deferred as e:
+        return "deferred", 0, str(e)
+    except KeyboardInterrupt:  # outside the session's own handling (loading the model): nothing new to save
+        return "ended", INTERRUPTED[0], "interrupted before it wrote more"
+
+
 def serve(slot: int, threads: int, tasks, results) -> None:
     """A worker process: write each Task `tasks` gives until it gives None; report to `results` as it goes."""
     _die_with_parent()
@@ -127,15 +138,13 @@ def serve(slot: int, threads: int, tasks, results) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         try:
-            code, why = write_document(task, models, display, threads)
-        except Deferred as e:
-            results.put(("deferred", slot, task.name, str(e)))
-            continue
-        except KeyboardInterrupt:  # outside the session's own handling (loading the model): nothing new to save
-            code, why = INTERRUPTED[0], "interrupted before it wrote more"
+            kind, code, why = write_task(task, models, display, threads)
         finally:
             signal.signal(signal.SIGINT, calm)
             signal.signal(signal.SIGTERM, calm)
+        if kind == "deferred":
+            results.put(("deferred", slot, task.name, why))
+            continue
         results.put(("ended", slot, task.name, code, why))
         if code in INTERRUPTED:
             break
