@@ -162,6 +162,8 @@ def resume(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="The run 
     o = given(options.RESUME, flags)
     if (run_dir / "manifest.json").is_file() and not (run_dir / "meta.json").exists():
         _resume_batch(run_dir, o)
+    if o.ray is not None:
+        raise UsageError(f"--ray continues a batch's directory on Ray; {run_dir} is one run: resume it without --ray.")
     if o.tokens is not None:
         config_mod.Config(tokens=o.tokens).validate({"tokens": "--tokens"})
     if o.tp is not None:
@@ -192,7 +194,9 @@ def _resume_batch(out_dir: Path, o: SimpleNamespace) -> None:
         if getattr(o, name) not in (None, False):
             raise UsageError(f"{config_mod.flag(name)} applies to one run; {out_dir} is a batch: resume one of its "
                              f"documents with `swiftwrite resume {out_dir}/runs/NAME {config_mod.flag(name)} ...`.")
-    raise typer.Exit(heavy().batch.resume(out_dir, o.quiet, o.no_live, o.stats_json))
+    if o.ray is not None and not o.ray.strip():
+        raise UsageError("--ray needs an address: HOST:PORT of a Ray cluster's head, auto, or local to start one here.")
+    raise typer.Exit(heavy().batch.resume(out_dir, o.quiet, o.no_live, o.stats_json, o.ray))
 
 
 @app.command()

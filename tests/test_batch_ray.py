@@ -3,7 +3,8 @@
 
 Properties: with two actors of one CPU each, an actor killed (SIGKILL) inside a document does not lose it: another
 actor continues it from its last checkpoint, and every document is its solo `swiftwrite generate` run byte for byte;
-without Ray, and at an address where nothing answers, --ray is refused in one sentence before anything is written.
+a batch killed in this machine's process and resumed with `--ray local` gives every solo text too; without Ray, and at
+an address where nothing answers, --ray is refused in one sentence before anything is written.
 """
 
 from __future__ import annotations
@@ -58,6 +59,31 @@ def test_an_actor_killed_inside_a_document_leaves_it_to_another_and_every_docume
     assert_solo(work, batch, solo)
     stats = json.loads((tmp / "stats.json").read_text())
     assert (stats["documents"], stats["done"]) == (len(JOBS), len(JOBS))
+
+
+@needs_ray
+@pytest.mark.slow
+def test_a_killed_batch_resumed_on_ray_gives_every_solo_text(work, solo):
+    batch, tmp = work / "resumed-on-ray", work / "resumed-on-ray.proc"
+    tmp.mkdir()
+    with Holds(tmp / "holds") as holds:  # a batch in this machine's process, killed inside its second document
+        bg = Background(tmp, ["batch", work / "jobs.jsonl", "--out-dir", batch, "--tokens", T, "--chunk", CHUNK,
+                              "--no-live"], env=clean_env(**holds.env()))
+        assert holds.until(bg.proc, (batch / "runs" / "002-report").is_dir), "the batch ended before its second document"
+        bg.proc.kill()
+        bg.finish()
+    p = sw("resume", batch, "--ray", "local", "--no-live", cwd=tmp)
+    assert p.returncode == 0, p.stderr
+    assert b"on Ray: 1 actor on 1 node(s)" in p.stderr, p.stderr  # the batch's own --parallel 1: one per node
+    assert_solo(work, batch, solo)
+
+
+@pytest.mark.slow
+def test_ray_is_refused_in_one_sentence_on_a_single_runs_resume(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "meta.json").write_text("{}")
+    p = sw("resume", "run", "--ray", "local", cwd=tmp_path, timeout=60)
+    assert p.returncode == 2 and p.stderr.count(b"\n") == 1 and b"resume it without --ray" in p.stderr, p.stderr
 
 
 def test_without_ray_the_batch_is_refused_in_one_sentence_naming_the_install_before_anything_is_written(

@@ -178,6 +178,8 @@ RESUME: tuple[Option, ...] = (
     QUIET, NO_LIVE, STATS_JSON,
     Option("edited", Path, None, "FILE", "Continue from this edited document in a new round; --tokens N then adds N "
            "tokens, appended to FILE (or --out)."),
+    Option("ray", str, None, "ADDRESS", "A batch's directory only: continue it on the Ray cluster at ADDRESS, or on "
+           "one started here (local), as batch --ray does."),
 )
 
 BATCH: tuple[Option, ...] = (  # besides OPTIONS, which are every document's defaults (a line's own keys win)

@@ -10,9 +10,10 @@ not fit the context) stops only that document; the manifest says why, and a resu
 
 With --parallel N, N documents are written at a time, each in a worker process with its share of the cores and its
 own model (workers.py, pool.py: why processes and not one forward over N documents' rows, and how each stays its
-solo run). With --ray ADDRESS they are written by actors on a Ray cluster (raypool.py), N on each node; a resume
-continues the batch here, in processes. The batch's panel shows the documents finished, the tokens/s over the batch, the time
-left, the finished document with the weakest text, and the documents being written.
+solo run). With --ray ADDRESS they are written by actors on a Ray cluster (raypool.py), N on each node; `resume DIR`
+continues the batch here, in processes, or on Ray again with --ray. The batch's panel shows the documents finished,
+the tokens/s over the batch, the time left, the finished document with the weakest text, and the documents being
+written.
 """
 
 from __future__ import annotations
@@ -51,13 +52,14 @@ def start(jobs: list[Job], jobs_name: str, out_dir: Path, quiet: bool, no_live: 
             bd.close()
 
 
-def resume(out_dir: Path, quiet: bool, no_live: bool, stats_json: Path | None) -> int:
+def resume(out_dir: Path, quiet: bool, no_live: bool, stats_json: Path | None, ray: str | None = None) -> int:
     """Continue every document of the batch in `out_dir` that has not ended (written, or stopped at a loop), as many
-    at a time as the batch was started with."""
+    at a time as the batch was started with (on each node of the Ray cluster at `ray`, where given)."""
     check_writable(stats_json, "--stats-json")
     bd = BatchDir.open(out_dir)
     try:
-        return _write(bd, Display(Display.choose(quiet, no_live)), stats_json)
+        with connected(ray, cores()) as cluster:
+            return _write(bd, Display(Display.choose(quiet, no_live)), stats_json, cluster)
     finally:
         bd.close()
 

@@ -133,6 +133,9 @@ def _slots(ray, parallel: int, documents: int, display: Display) -> list[_Slot]:
         cpus = int(node["Resources"].get("CPU", 0)) if node["Alive"] else 0
         if cpus:
             n = min(parallel, cpus)
+            if n < parallel:
+                display.info(f"--parallel {parallel}: node {node['NodeManagerAddress']} has {cpus} CPUs, so {n} "
+                             "actors there.")
             per_node.append([_Slot(node["NodeID"], cpus // n, node["NodeID"] == here) for _ in range(n)])
     if not per_node:
         raise UserError("the Ray cluster has no live node with a CPU; start one (`ray start --address ...`) and "
