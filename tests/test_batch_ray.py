@@ -3,8 +3,9 @@
 
 Properties: with two actors of one CPU each, an actor killed (SIGKILL) inside a document does not lose it: another
 actor continues it from its last checkpoint, and every document is its solo `swiftwrite generate` run byte for byte;
-a batch killed in this machine's process and resumed with `--ray local` gives every solo text too; without Ray, and at
-an address where nothing answers, --ray is refused in one sentence before anything is written.
+a first Ctrl-C stops every actor at a checkpoint and a resume completes the batch; a batch killed in this machine's
+process and resumed with `--ray local` gives every solo text too; without Ray, and at an address where nothing
+answers, --ray is refused in one sentence before anything is written.
 """
 
 from __future__ import annotations
@@ -59,6 +60,29 @@ def test_an_actor_killed_inside_a_document_leaves_it_to_another_and_every_docume
     assert_solo(work, batch, solo)
     stats = json.loads((tmp / "stats.json").read_text())
     assert (stats["documents"], stats["done"]) == (len(JOBS), len(JOBS))
+
+
+@needs_ray
+@pytest.mark.slow
+def test_ctrl_c_stops_every_actor_at_a_checkpoint_and_resume_completes_the_batch(work, solo):
+    batch, tmp = work / "on-ray-int", work / "on-ray-int.proc"
+    tmp.mkdir()
+    runs = [batch / "runs" / "001-novel", batch / "runs" / "002-report"]
+    with Holds(tmp / "holds") as holds:
+        bg = Background(tmp, ["batch", work / "jobs.jsonl", "--out-dir", batch, "--ray", "local", "--parallel", 2,
+                              "--tokens", T, "--chunk", CHUNK, "--no-live"], env=clean_env(**holds.env()))
+        assert holds.until(bg.proc, lambda: all(r.is_dir() for r in runs)), "the batch ended first"
+        bg.proc.send_signal(signal.SIGINT)  # the batch process passes it on to each actor writing a document
+        assert holds.signalled(bg.proc, signal.SIGINT), "the held actor never saw the Ctrl-C"
+        holds.open()  # one "*" an actor: each opens the gate for good for the process that reads it
+        holds.open()
+        rc, _, err = bg.finish()
+    assert rc == 130 and "swiftwrite resume" in err, err
+    statuses = [d["status"] for d in json.loads((batch / "manifest.json").read_text())["documents"]]
+    assert statuses[2] == "pending" and "done" not in statuses[:2] and "interrupted" in statuses[:2], statuses
+    p = sw("resume", batch, "--no-live", cwd=work)
+    assert p.returncode == 0, p.stderr
+    assert_solo(work, batch, solo)
 
 
 @needs_ray

@@ -110,7 +110,14 @@ class Writer:
     def write(self, task: Task) -> tuple[str, int, str | None, list]:
         """workers.write_task's (kind, code, why), and the document's notices and alerts as (kind, text)."""
         self.said, self.display.name = [], task.name
-        kind, code, why = write_task(task, self.models, self.display, self.threads)
+        # Ray's workers block SIGINT; while this document is written a stop (RayPool._stop) reaches it as Ctrl-C
+        # reaches a --parallel worker: its session checkpoints and ends with 130
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        try:
+            kind, code, why = write_task(task, self.models, self.display, self.threads)
+        finally:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         return kind, code, why, self.said
 
 
@@ -187,22 +194,17 @@ class RayPool:
     def _take(self, ref, slot: _Slot, task: Task, pending: deque, alone: list, lost: Counter, ended) -> None:
         """A write's end: the document's end to the batch, handed back to be written alone, or (its actor died)
         queued again at the front for the next free actor, which continues it from its last checkpoint."""
+        errors = self.ray.exceptions
         try:
             kind, code, why, said = self.ray.get(ref)
-        except self.ray.exceptions.RayActorError:
-            host, pid = slot.where
-            lost[task.name] += 1
-            if lost[task.name] >= LOSSES:
-                ended(task.name, FAILED, f"{LOSSES} Ray actors died while writing it (the last: process {pid} on "
-                                         f"{host}); `swiftwrite resume DIR` continues it from its last checkpoint.")
-            else:
-                self.display.info(f"{task.name}: its Ray actor (process {pid} on {host}) died; another continues "
-                                  "it from its last checkpoint.")
-                pending.appendleft(task)
-            self._start([slot])  # its replacement: on the same node, or elsewhere if the node is gone
+        except errors.RayActorError:
+            self._lost(slot, task, pending, lost, ended)
             return
-        except self.ray.exceptions.TaskCancelledError:  # a stop (_stop) reached it before its session began
-            ended(task.name, INTERRUPTED[0], "interrupted before it wrote more")
+        except (errors.TaskCancelledError, errors.RayTaskError) as e:
+            # a stop that reached it before its session began or as its document ended (resume finds it whole), or
+            # an error the writer did not turn into a sentence
+            ended(task.name, INTERRUPTED[0] if self.signum else FAILED,
+                  "interrupted" if self.signum else f"its Ray actor stopped with {type(e).__name__}: {e}")
             return
         for said_kind, text in said:
             (self.display.info if said_kind == "info" else self.display.alert)(text)
@@ -211,6 +213,21 @@ class RayPool:
             alone.append(task.name)
         else:
             ended(task.name, code, why)
+
+    def _lost(self, slot: _Slot, task: Task, pending: deque, lost: Counter, ended) -> None:
+        """An actor died writing `task`: the document goes back to the front of the queue (or, after LOSSES actors,
+        to a resume), and a replacement actor starts: on the same node, or elsewhere if the node is gone."""
+        host, pid = slot.where
+        lost[task.name] += 1
+        if lost[task.name] >= LOSSES:
+            ended(task.name, FAILED, f"{LOSSES} Ray actors died while writing it (the last: process {pid} on {host}); "
+                                     "`swiftwrite resume DIR` continues it from its last checkpoint.")
+        else:
+            self.display.info(f"{task.name}: its Ray actor (process {pid} on {host}) died; another continues it from "
+                              "its last checkpoint.")
+            pending.appendleft(task)
+        if not self.signum:
+            self._start([slot])
 
     def _start(self, slots: list[_Slot]) -> None:
         """An actor in each of `slots`, placed on its node while the node lives (a soft affinity), and where it is."""
