@@ -145,12 +145,17 @@ def batch(
         raise UsageError("batch needs --out-dir DIR: a new directory for the manifest and each document's run.")
     if own.parallel < 1:
         raise UsageError(f"--parallel {own.parallel}: give the number of documents to write at a time, 1 or more.")
-    if own.ray is not None and not own.ray.strip():
-        raise UsageError("--ray needs an address: HOST:PORT of a Ray cluster's head, auto, or local to start one here.")
+    _check_ray(own.ray)
     run = {o.name: flags[o.name] for o in OPTIONS}
     jobs_read = inputs.read_jobs(jobs, own.config, run, own.out_dir)  # every line checked before anything heavy
     raise typer.Exit(heavy().batch.start(jobs_read, "standard input" if jobs == "-" else jobs, own.out_dir, own.quiet,
                                          own.no_live, own.stats_json, own.parallel, own.ray))
+
+
+def _check_ray(address: str | None) -> None:
+    """--ray's address, where given, is not empty (its form and whether it answers: raypool.connected)."""
+    if address is not None and not address.strip():
+        raise UsageError("--ray needs an address: HOST:PORT of a Ray cluster's head, auto, or local to start one here.")
 
 
 @app.command()
@@ -194,8 +199,7 @@ def _resume_batch(out_dir: Path, o: SimpleNamespace) -> None:
         if getattr(o, name) not in (None, False):
             raise UsageError(f"{config_mod.flag(name)} applies to one run; {out_dir} is a batch: resume one of its "
                              f"documents with `swiftwrite resume {out_dir}/runs/NAME {config_mod.flag(name)} ...`.")
-    if o.ray is not None and not o.ray.strip():
-        raise UsageError("--ray needs an address: HOST:PORT of a Ray cluster's head, auto, or local to start one here.")
+    _check_ray(o.ray)
     raise typer.Exit(heavy().batch.resume(out_dir, o.quiet, o.no_live, o.stats_json, o.ray))
 
 
