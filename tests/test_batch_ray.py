@@ -53,7 +53,6 @@ def test_an_actor_killed_inside_a_document_leaves_it_to_another_and_every_docume
         for _ in range(3):  # one "*" for each actor that reads the gate from now on: the survivor, the replacement
             holds.open()
         rc, _, err = bg.finish()
-        Path("/tmp/ray_err.txt").write_text(err)
     assert rc == 0, err
     assert "on Ray: 2 actors on 1 node(s), 1 thread each" in err, err
     assert "002-report: its Ray actor" in err and "continues it from its last checkpoint" in err, err
