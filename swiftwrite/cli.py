@@ -143,13 +143,24 @@ def batch(
     own = given(options.BATCH, flags)
     if own.out_dir is None:
         raise UsageError("batch needs --out-dir DIR: a new directory for the manifest and each document's run.")
-    if own.parallel < 1:
-        raise UsageError(f"--parallel {own.parallel}: give the number of documents to write at a time, 1 or more.")
+    parallel = _parallel(own.parallel, own.ray)
     _check_ray(own.ray)
     run = {o.name: flags[o.name] for o in OPTIONS}
     jobs_read = inputs.read_jobs(jobs, own.config, run, own.out_dir)  # every line checked before anything heavy
     raise typer.Exit(heavy().batch.start(jobs_read, "standard input" if jobs == "-" else jobs, own.out_dir, own.quiet,
-                                         own.no_live, own.stats_json, own.parallel, own.ray))
+                                         own.no_live, own.stats_json, parallel, own.ray))
+
+
+def _parallel(text: str, ray: str | None) -> int | str:
+    """--parallel: a number of documents at a time, 1 or more, or auto (measured here: not for a Ray cluster's nodes)."""
+    if text == "auto":
+        if ray is not None:
+            raise UsageError("--parallel auto measures this machine; with --ray give the documents at a time on each "
+                             "node as a number (default 1).")
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"--parallel {text}: give the number of documents to write at a time, 1 or more, or auto.")
+    return int(text)
 
 
 def _check_ray(address: str | None) -> None:

@@ -186,8 +186,8 @@ BATCH: tuple[Option, ...] = (  # besides OPTIONS, which are every document's def
     Option("out_dir", Path, None, "DIR", "The batch's directory: a manifest and a run directory per document (new; "
            "`swiftwrite resume DIR` continues it)."),
     Option("config", Path, None, "FILE", "YAML file with options, defaults for every document."),
-    Option("parallel", int, 1, "N", "Documents written at a time, each in a process of its own with its share of "
-           "the cores (default 1; capped at the cores)."),
+    Option("parallel", str, "1", "N", "Documents written at a time, each in a process of its own with its share of "
+           "the cores (default 1; capped at the cores); auto: the number that writes the most here, measured once."),
     Option("ray", str, None, "ADDRESS", "Write on the Ray cluster at ADDRESS (HOST:PORT, or auto), or on one started "
            "here (local); --parallel N is then the documents at a time on each node (pip install -e '.[ray]')."),
     QUIET, NO_LIVE,

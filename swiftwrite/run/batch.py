@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..io.batchdir import BatchDir
 from ..io.ui import BatchProgress, Display, Progress
+from . import howmany
 from .inputs import Job, check_writable
 from .pool import Pool, cores
 from .raypool import RayPool, connected
@@ -37,17 +38,21 @@ ENDED = ("done", "stopped")  # what a resume leaves alone: written to its target
 
 
 def start(jobs: list[Job], jobs_name: str, out_dir: Path, quiet: bool, no_live: bool, stats_json: Path | None,
-          parallel: int = 1, ray: str | None = None) -> int:
+          parallel: int | str = 1, ray: str | None = None) -> int:
     """A new batch of `jobs` (inputs.read_jobs) in `out_dir`, `parallel` documents at a time (on each node of the
-    Ray cluster at `ray`, where given); the exit code."""
+    Ray cluster at `ray`, where given; `auto`: howmany.choose, kept in the manifest as the number it chose); the exit
+    code."""
     check_writable(stats_json, "--stats-json")
     BatchDir.check_new(out_dir)
+    display = Display(Display.choose(quiet, no_live))
+    if parallel == "auto":
+        parallel = howmany.choose(jobs[0].inputs.cfg, len(jobs), display)
     with connected(ray, cores()) as cluster:  # a cluster that cannot be had is refused before anything is written
         # `out` as an absolute path: a resume may run from another folder
         bd = BatchDir.create(out_dir, jobs_name, [(j.line, j.name, str(j.inputs.out.resolve()), j.inputs.record())
                                                   for j in jobs], parallel)
         try:
-            return _write(bd, Display(Display.choose(quiet, no_live)), stats_json, cluster)
+            return _write(bd, display, stats_json, cluster)
         finally:
             bd.close()
 

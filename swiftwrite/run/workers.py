@@ -122,7 +122,7 @@ def write_task(task: Task, models: Models, display: Display, threads: int) -> tu
 
 def serve(slot: int, threads: int, tasks, results) -> None:
     """A worker process: write each Task `tasks` gives until it gives None; report to `results` as it goes."""
-    _die_with_parent()
+    die_with_parent()
     os.setpgrp()  # the terminal's Ctrl-C goes to the batch process, which passes it on once
     stop = []
     calm = lambda signum, frame: stop.append(signum)  # noqa: E731 (between documents: end after this one)
@@ -151,7 +151,7 @@ def serve(slot: int, threads: int, tasks, results) -> None:
         gc.collect()  # the document's engine and llama.cpp context, before the next one makes its own
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: this process is killed when the batch process dies (even by SIGKILL), so no worker writes on alone."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
