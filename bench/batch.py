@@ -2,6 +2,7 @@
 `swiftwrite generate` processes (what a user did before the batch), with each document's text quality beside.
 
     python bench/batch.py --tokens 1000 --parallel 1,2,4 --out bench/results/batch-DATE.json
+    python bench/batch.py --tokens 1000 --parallel 2 --ray-kill --out bench/results/batch-ray-DATE.json
 
 Eight documents over three genres, the default model and settings: novels (prompts/lighthouse.txt and
 prompts/novel.txt with the novel template, sampled with seeds 1-3), reports (prompts/report.txt with the report
@@ -9,7 +10,10 @@ template, grounded on prompts/grid-source.md, sampled; and greedy) and plain con
 template, sampled). Rows, each a whole process timed from start to exit (model loads included):
 
 1. solo: eight `swiftwrite generate` processes one after another;
-2. batch --parallel N for each N: one `swiftwrite batch` process (and its workers).
+2. batch --parallel N for each N: one `swiftwrite batch` process (and its workers);
+3. with --ray-kill: `swiftwrite batch --ray local --parallel 2` (two Ray actors of one CPU each), and the actor
+   writing the first document that has passed a checkpoint killed (SIGKILL, its process id from the manifest): the
+   batch must still write every document, each equal to its solo run.
 
 Every document of every batch must equal its solo run byte for byte (reported). Aggregate tokens/s = all tokens /
 wall seconds. Run it alone: two benchmarks on two cores measure each other.
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -57,10 +63,53 @@ def quality(stats: Path) -> dict:
             "longest_repeat": s.get("longest_repeat")}
 
 
+def identical(d: Path, work: Path) -> list[str]:
+    """The documents of the batch in `d` (moved there from `work`) whose text is their solo run's."""
+    for name, _, _ in DOCS:
+        (work / f"{name}.md").rename(d / f"{name}.md")
+    return [name for name, _, _ in DOCS if (d / f"{name}.md").read_bytes() == (work / f"solo-{name}.md").read_bytes()]
+
+
+def ray_kill(work: Path, tokens: int, solo_s: float) -> dict:
+    """`batch --ray local --parallel 2`, the actor of the first document past a checkpoint killed."""
+    d = work / "ray"
+    t = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "swiftwrite.cli", "batch", "jobs.jsonl", "--out-dir", str(d),
+                          "--tokens", str(tokens), "--ray", "local", "--parallel", "2", "--no-live",
+                          "--stats-json", "ray.json"], cwd=work, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    killed = None
+    while killed is None and p.poll() is None:
+        time.sleep(0.2)
+        try:
+            docs = json.loads((d / "manifest.json").read_text())["documents"]
+        except (OSError, ValueError):
+            continue
+        for doc in docs:
+            state = d / "runs" / doc["name"] / "state.json"
+            if doc["status"] == "writing" and doc.get("pid") and state.is_file():
+                os.kill(doc["pid"], signal.SIGKILL)
+                killed = (doc["name"], json.loads(state.read_text())["n_tokens"])
+                break
+    err = p.communicate()[1].decode()
+    secs = time.perf_counter() - t
+    if p.returncode != 0 or killed is None:
+        sys.exit(f"batch --ray local: exit {p.returncode}, killed {killed}:\n{err[-2000:]}")
+    same = identical(d, work)
+    stats = json.loads((work / "ray.json").read_text())
+    row = {"run": "batch --ray local --parallel 2, one actor killed", "seconds": round(secs, 2),
+           "tokens_per_second": round(stats["tokens"] / secs, 2), "vs_solo": round(solo_s / secs, 3),
+           "killed": {"document": killed[0], "at_checkpoint_tokens": killed[1]},
+           "continued_elsewhere": f"{killed[0]}: its Ray actor" in err, "identical_to_solo": f"{len(same)}/{len(DOCS)}"}
+    print(f"batch --ray local --parallel 2, the actor of {killed[0]} killed after {killed[1]} tokens: "
+          f"{stats['tokens']} tokens in {secs:.1f} s; identical to solo {row['identical_to_solo']}", flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=1000)
     ap.add_argument("--parallel", default="1,2")
+    ap.add_argument("--ray-kill", action="store_true", help="also --ray local with an actor killed mid-document")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="swiftwrite-bench-batch-"))
@@ -81,10 +130,7 @@ def main() -> None:
             d = work / f"p{n}"
             secs = sw("batch", "jobs.jsonl", "--out-dir", d, "--tokens", a.tokens, "--parallel", n, "--quiet",
                       "--stats-json", f"p{n}.json", cwd=work)
-            for name, _, _ in DOCS:
-                (work / f"{name}.md").rename(d / f"{name}.md")
-            same = [name for name, _, _ in DOCS
-                    if (d / f"{name}.md").read_bytes() == (work / f"solo-{name}.md").read_bytes()]
+            same = identical(d, work)
             stats = json.loads((work / f"p{n}.json").read_text())
             rows.append({"run": f"batch --parallel {n}", "seconds": round(secs, 2),
                          "tokens_per_second": round(stats["tokens"] / secs, 2),
@@ -94,6 +140,8 @@ def main() -> None:
             r = rows[-1]
             print(f"batch --parallel {n}: {stats['tokens']} tokens in {secs:.1f} s, {r['tokens_per_second']:.1f} "
                   f"tok/s, {r['vs_solo']:.2f}x solo; identical to solo {r['identical_to_solo']}", flush=True)
+        if a.ray_kill:
+            rows.append(ray_kill(work, a.tokens, solo_s))
         for name, _, _ in DOCS:
             q = solo_q[name]
             print(f"  {name}: Distinct-4 {q['distinct_4']:.3f}, longest repeat {q['longest_repeat']}")

@@ -1,10 +1,11 @@
 """`swiftwrite batch --parallel auto` (swiftwrite/run/howmany.py).
 
 Properties: auto takes the number of documents at a time that writes the most tokens per second as measured, a
-larger number only for GAIN more, never more than the documents or than the memory holds; on the real default model
-it measures once per machine (the next batch reads what was kept), says what it chose and why in one line, keeps the
-number in the manifest, and every document is still its solo run; a --parallel that is neither a number from 1 nor
-auto, and auto with --ray, are refused in one sentence before anything is written.
+larger number only for GAIN more, never more than the documents or than the memory holds; it measures once per model
+and machine and then reads what it kept; a model whose bits may follow the thread count gets one at a time; a real
+batch says what it chose and why in one line and keeps the number in the manifest (each document is then written as
+with --parallel N, whose documents tests/test_batch_cli.py compares with their solo runs); a --parallel that is
+neither a number from 1 nor auto, and auto with --ray, are refused in one sentence before anything is written.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import json
 import pytest
 
 from swiftwrite.base import measurements
+from swiftwrite.base.config import Config
 from swiftwrite.run import howmany
-from test_batch_cli import CHUNK, T, assert_solo, solo, work  # noqa: F401 (fixtures: the jobs, their solo runs)
+from swiftwrite.run.workers import DocumentDisplay
+from test_batch_cli import work  # noqa: F401 (the fixture: the jobs)
 from test_cli import sw
 
 GIB = 2**30
@@ -42,23 +45,43 @@ def test_auto_never_takes_more_documents_than_the_batch_has_or_than_the_memory_h
     assert howmany.best(fast, 8, GIB) == 1
 
 
+def test_auto_measures_once_per_model_and_machine_and_reads_back_what_it_kept(default_model_dir, tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setenv("SWIFTWRITE_HOME", str(tmp_path))  # an empty store of measurements; the model by its path
+    monkeypatch.setattr(howmany, "cores", lambda: 2)
+    timed, said = [], []
+    monkeypatch.setattr(howmany, "measure", lambda cfg, here, display: timed.append(here) or
+                        {"governed": True, "steps": steps(10, 12, rss=2**20)})
+    display = DocumentDisplay(lambda kind, text: said.append(text), lambda p, force: None)
+    cfg = Config(model=str(default_model_dir))
+    assert howmany.choose(cfg, 3, display) == 2 and howmany.choose(cfg, 5, display) == 2
+    assert timed == [2] and len(measurements.read(measurements.file(howmany.FILE))) == 1
+    assert said[-1].startswith("--parallel auto: 2 documents at a time") and "1 at a time 100, 2 at a time 167" in said[-1]
+    assert howmany.choose(cfg, 1, display) == 1 and timed == [2]  # one document: nothing to time
+
+
+def test_auto_writes_one_at_a_time_where_the_thread_count_may_change_the_bits(default_model_dir, tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.setenv("SWIFTWRITE_HOME", str(tmp_path))
+    monkeypatch.setattr(howmany, "cores", lambda: 2)
+    monkeypatch.setattr(howmany, "measure", lambda cfg, here, display: {"governed": False, "steps": {}})
+    said = []
+    display = DocumentDisplay(lambda kind, text: said.append(text), lambda p, force: None)
+    assert howmany.choose(Config(model=str(default_model_dir)), 4, display) == 1 and "thread count" in said[-1]
+
+
 @pytest.mark.slow
-def test_auto_measures_once_says_what_it_chose_and_every_document_is_its_solo_run(work, solo):
-    p = sw("batch", "jobs.jsonl", "--out-dir", "auto1", "--parallel", "auto", "--tokens", T, "--chunk", CHUNK,
-           "--no-live", cwd=work)
+def test_a_batch_with_parallel_auto_says_what_it_chose_and_keeps_it_in_the_manifest(work):
+    """On the real default model: the measurement (or what an earlier batch kept) and the number in one line."""
+    p = sw("batch", "jobs.jsonl", "--out-dir", "auto1", "--parallel", "auto", "--tokens", 8, "--no-live", cwd=work)
     assert p.returncode == 0, p.stderr
     said = [line for line in p.stderr.decode().splitlines() if "documents at a time, tokens/s of plain steps" in line]
     assert len(said) == 1 and "1 at a time" in said[0] and "2 at a time" in said[0], p.stderr
     chosen = int(said[0].split("--parallel auto: ")[1].split()[0])
-    assert json.loads((work / "auto1" / "manifest.json").read_text())["parallel"] == chosen
-    assert_solo(work, work / "auto1", solo)
-    kept = measurements.read(measurements.file(howmany.FILE))  # the tests' store, which the batches used
+    manifest = json.loads((work / "auto1" / "manifest.json").read_text())
+    assert manifest["parallel"] == chosen and [d["status"] for d in manifest["documents"]] == ["done"] * 3
+    kept = measurements.read(measurements.file(howmany.FILE))  # the tests' store, which the batch used
     assert any(v["governed"] and set(v["steps"]) == {"1", "2"} for v in kept.values()), kept
-    again = sw("batch", "jobs.jsonl", "--out-dir", "auto2", "--parallel", "auto", "--tokens", T, "--chunk", CHUNK,
-               "--no-live", cwd=work)
-    assert again.returncode == 0 and b"timing" not in again.stderr, again.stderr  # what the first batch kept
-    assert json.loads((work / "auto2" / "manifest.json").read_text())["parallel"] == chosen
-    assert_solo(work, work / "auto2", solo)
 
 
 @pytest.mark.parametrize("args, said", [(["--parallel", "0"], b"--parallel 0: give the number"),
