@@ -11,8 +11,8 @@ template, sampled). Rows, each a whole process timed from start to exit (model l
 
 1. solo: eight `swiftwrite generate` processes one after another;
 2. batch --parallel N for each N: one `swiftwrite batch` process (and its workers);
-3. with --ray-kill: `swiftwrite batch --ray local --parallel 2` (two Ray actors of one CPU each), and the actor
-   writing the first document that has passed a checkpoint killed (SIGKILL, its process id from the manifest): the
+3. with --ray-kill: `swiftwrite batch --ray local --parallel 2` (two Ray actors of one CPU each), the actor writing
+   the first document past a checkpoint with text in it killed (SIGKILL, its process id from the manifest): the
    batch must still write every document, each equal to its solo run.
 
 Every document of every batch must equal its solo run byte for byte (reported). Aggregate tokens/s = all tokens /
@@ -71,7 +71,7 @@ def identical(d: Path, work: Path) -> list[str]:
 
 
 def ray_kill(work: Path, tokens: int, solo_s: float) -> dict:
-    """`batch --ray local --parallel 2`, the actor of the first document past a checkpoint killed."""
+    """`batch --ray local --parallel 2`, the actor of the first document past a checkpoint with text killed."""
     d = work / "ray"
     t = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-m", "swiftwrite.cli", "batch", "jobs.jsonl", "--out-dir", str(d),
@@ -86,9 +86,10 @@ def ray_kill(work: Path, tokens: int, solo_s: float) -> dict:
             continue
         for doc in docs:
             state = d / "runs" / doc["name"] / "state.json"
-            if doc["status"] == "writing" and doc.get("pid") and state.is_file():
+            written = json.loads(state.read_text())["n_tokens"] if state.is_file() else 0
+            if doc["status"] == "writing" and doc.get("pid") and written > 0:  # past a checkpoint that wrote text
                 os.kill(doc["pid"], signal.SIGKILL)
-                killed = (doc["name"], json.loads(state.read_text())["n_tokens"])
+                killed = (doc["name"], written)
                 break
     err = p.communicate()[1].decode()
     secs = time.perf_counter() - t

@@ -211,12 +211,10 @@ def dry_settings(cfg: Config, tok, vocab: int, start: int = 0) -> "DrySettings":
 
 
 def sampler_settings(cfg: Config, lm: Loaded, text_start: int) -> SamplerSettings:
-    stops = suppressed_ids(lm.tok, lm.model.cfg)
-    return SamplerSettings(
-        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
-        penalty=cfg.penalty, window=cfg.penalty_window, suppress=() if cfg.stop_at_eos else stops, seed=cfg.seed,
-        start=text_start, dry=dry_settings(cfg, lm.tok, lm.model.cfg.vocab_size, text_start),
-    )
+    stops, dry = suppressed_ids(lm.tok, lm.model.cfg), dry_settings(cfg, lm.tok, lm.model.cfg.vocab_size, text_start)
+    return SamplerSettings(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
+                           penalty=cfg.penalty, window=cfg.penalty_window, suppress=() if cfg.stop_at_eos else stops,
+                           seed=cfg.seed, start=text_start, dry=dry)
 
 
 def ban_list(cfg: Config, lm: Loaded, window: "Window") -> Bans | None:

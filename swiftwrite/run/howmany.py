@@ -20,7 +20,6 @@ import threading
 from dataclasses import replace
 
 from ..base import measurements
-from ..base.config import Config
 from ..base.errors import UserError
 from ..io.ui import Display
 from ..models import backends
@@ -35,9 +34,9 @@ MEMORY_SHARE = 0.9  # of the memory available now, what N processes' peak reside
 GAIN = 1.05  # more documents at a time only for at least this much more: a closer figure is within step noise
 
 
-def choose(cfg: Config, documents: int, display: Display) -> int:
-    """Documents at a time for a batch whose documents run `cfg`'s model (the first's: a batch of several models
-    is sized by it), said in one line."""
+def choose(cfg, documents: int, display: Display) -> int:
+    """Documents at a time for a batch whose documents run `cfg`'s model (a Config: the first document's; a batch
+    of several models is sized by it), said in one line."""
     most = min(documents, cores())
     if most <= 1:
         display.info(f"--parallel auto: 1 document at a time ({'1 document' if documents <= 1 else '1 core'})")
@@ -71,7 +70,7 @@ def best(steps: dict, most: int, available: int | None) -> int:
     return chosen
 
 
-def measure(cfg: Config, here: int, display: Display) -> dict:
+def measure(cfg, here: int, display: Display) -> dict:
     """{"governed": bool, "steps": {N: {"ms", "rss"}}} for N = 1, 2, 4, ... up to `here` cores."""
     display.info(f"--parallel auto: timing 1 to {here} documents at a time on this machine (once per model)")
     steps = {}
@@ -85,7 +84,7 @@ def measure(cfg: Config, here: int, display: Display) -> dict:
     return {"governed": True, "steps": steps}
 
 
-def _side_by_side(cfg: Config, n: int, threads: int) -> dict | None:
+def _side_by_side(cfg, n: int, threads: int) -> dict | None:
     """The median of `n` processes' plain steps timed at once on `threads` threads each, and the largest peak
     resident set among them; None where the model is not governed on `threads` threads."""
     mp = multiprocessing.get_context("spawn")
@@ -108,7 +107,7 @@ def _side_by_side(cfg: Config, n: int, threads: int) -> dict | None:
     return {"ms": times[len(times) // 2], "rss": max(rss for *_, rss in got)}
 
 
-def _time(cfg: Config, threads: int, slot: int, loaded, start, results) -> None:
+def _time(cfg, threads: int, slot: int, loaded, start, results) -> None:
     """A timing process: load the model on `threads` threads (after slot 0 has loaded it, whose first run probes and
     times the backends alone), wait for the others, time plain steps; report ("timed", ms, peak bytes)."""
     die_with_parent()
