@@ -25,11 +25,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..base.machine import cores
 from ..io.batchdir import BatchDir
 from ..io.ui import BatchProgress, Display, Progress
 from . import howmany
 from .inputs import Job, check_writable
-from .pool import Pool, cores
+from .pool import Pool
 from .raypool import RayPool, connected
 from .runstats import write_stats_json
 from .workers import INTERRUPTED, LOOPED, WRITTEN, DocumentDisplay, Models, Task, write_document

@@ -15,18 +15,18 @@ store (parallel.json) beside the backends' times.
 from __future__ import annotations
 
 import multiprocessing
-import resource
+import signal
 import threading
 from dataclasses import replace
 
 from ..base import measurements
+from ..base.machine import cores, die_with_parent, peak_rss
 from ..base.errors import UserError
 from ..io.ui import Display
 from ..models import backends
 from .assembly import open_model
 from .devices import free_memory
-from .pool import cores
-from .workers import Deferred, Models, die_with_parent
+from .workers import Deferred, Models
 
 FILE = "parallel.json"
 WAIT = 600.0  # seconds a timing process may take to load its model (a big GGUF's first probe) before it is given up
@@ -110,7 +110,7 @@ def _side_by_side(cfg, n: int, threads: int) -> dict | None:
 def _time(cfg, threads: int, slot: int, loaded, start, results) -> None:
     """A timing process: load the model on `threads` threads (after slot 0 has loaded it, whose first run probes and
     times the backends alone), wait for the others, time plain steps; report ("timed", ms, peak bytes)."""
-    die_with_parent()
+    die_with_parent(signal.SIGKILL)
     try:
         if slot:
             loaded.wait(WAIT)
@@ -120,7 +120,7 @@ def _time(cfg, threads: int, slot: int, loaded, start, results) -> None:
             loaded.set()
         start.wait()
         ms = backends.step_ms(lm.model)
-        results.put(("timed", ms, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+        results.put(("timed", ms, peak_rss()))
     except Deferred as e:
         start.abort()
         results.put(("deferred", str(e), 0))

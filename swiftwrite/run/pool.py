@@ -17,15 +17,11 @@ import signal
 from collections import deque
 from typing import Callable
 
+from ..base.machine import cores
 from ..io.ui import Display
 from .workers import Task, serve
 
 POLL = 0.25  # seconds between looks at the workers while none reports: the panel's clock and a dead worker
-
-
-def cores() -> int:
-    """CPUs this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class Pool:

@@ -20,7 +20,6 @@ The control messages travel over a gloo group on every device; the model's all-r
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shlex
@@ -38,6 +37,7 @@ import torch.distributed as dist
 import yaml
 
 from ..base.errors import RankLost, UserError, first_line
+from ..base.machine import die_with_parent
 from ..io.ui import dtype_name
 from ..models import parallel  # parallel.load_sharded looked up at the call: the tests make it fail
 from ..models.parallel import Leader, follow
@@ -98,7 +98,7 @@ def launch(world: int, argv: list[str]) -> int:
             quiet = None if rank == 0 else subprocess.DEVNULL  # followers read and write nothing
             # own session: a Ctrl-C at the terminal reaches this process only, which hands it to rank 0 once
             procs.append(subprocess.Popen([sys.executable, "-m", "swiftwrite", *argv], env=env, stdin=quiet,
-                                          stdout=quiet, start_new_session=True, preexec_fn=_die_with_parent))
+                                          stdout=quiet, start_new_session=True, preexec_fn=_term_with_launcher))
         first = _wait_any(procs)
         deadline = time.monotonic() + GRACE
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -135,12 +135,9 @@ def _wait_any(procs: list[subprocess.Popen]) -> subprocess.Popen:
         time.sleep(0.05)
 
 
-def _die_with_parent() -> None:
-    """In each rank (Linux): SIGTERM when the launcher dies, so no rank outlives the command the user started."""
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _term_with_launcher() -> None:
+    """In each rank: SIGTERM when the launcher dies, so no rank outlives the command the user started."""
+    die_with_parent(signal.SIGTERM)
 
 
 def report_run_dir(path: Path) -> None:

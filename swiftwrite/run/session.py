@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from ..base.errors import RankLost, UserError
+from ..base.machine import peak_rss
 from ..base.metrics import distinct, distinct_per_window, longest_repeat
 from ..decoding.bans import MAX_RETRIES
 from ..decoding.curves import Curves
@@ -151,7 +151,7 @@ class Session:
         if time.perf_counter() - st.distinct_at >= 0.5:  # a set of 2,000 tuples: twice a second, not every step
             st.measure_distinct(rd.tokens)
         return Progress(st.done, st.target, st.seconds(), st.made, st.forwards, st.per_source, self.budget(),
-                        self.engine.cache.nbytes, _rss(), st.checkpoints, st.last_checkpoint, st.tail, st.distinct_4,
+                        self.engine.cache.nbytes, peak_rss(), st.checkpoints, st.last_checkpoint, st.tail, st.distinct_4,
                         st.repeat, distinct_1=st.distinct_1, section=self.section(st.done), round=rd.round,
                         backtracks=st.backtracks if self.engine.bans is not None else None)
 
@@ -170,7 +170,7 @@ class Session:
             "cost_curve_ms": engine.auto.cost.to_dict() if engine.auto and engine.auto.cost is not None else None,
             # what the automatic budget adds to a tree's forward
             "engine_ms_per_tree": round(engine.auto.extra * 1e3, 3) if engine.auto else 0.0,
-            "kv_cache_bytes": engine.cache.nbytes, "peak_rss_bytes": _rss(), "model_fingerprint": rd.fingerprint,
+            "kv_cache_bytes": engine.cache.nbytes, "peak_rss_bytes": peak_rss(), "model_fingerprint": rd.fingerprint,
             "weights": lm.weights, "backend": lm.backend, "cpu": cpu_extensions(), "text_pending_tokens": pending,
             "earlier_processes": st.history,
             "longest_current_repeat": st.repeat, **({"stopped": st.stopped} if st.stopped else {}),
@@ -190,7 +190,7 @@ class Session:
         return {"time": round(st.last_checkpoint, 3), "pid": os.getpid(), "total_tokens": st.done, "tokens": st.made,
                 "seconds": round(st.seconds(), 3), "forward_passes": st.forwards,
                 "accepted": dict(st.per_source), "drafted": st.drafted,
-                "rss_bytes": _rss_now(), "peak_rss_bytes": _rss(), "kv_cache_bytes": self.engine.cache.nbytes,
+                "rss_bytes": _rss_now(), "peak_rss_bytes": peak_rss(), "kv_cache_bytes": self.engine.cache.nbytes,
                 f"distinct_4_last_{QUALITY_WINDOW}": st.measure_distinct(rd.tokens),
                 f"distinct_1_last_{WORDS_WINDOW}": st.distinct_1, "longest_current_repeat": st.repeat}
 
@@ -364,15 +364,10 @@ def open_out(path: Path | None, append_text: str | None = None):
 
 
 
-def _rss() -> int:
-    """Peak resident memory of this process, bytes."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _rss_now() -> int:
     """Current resident memory (Linux /proc; elsewhere the peak), bytes: what shows whether memory stays flat."""
     try:
         with open("/proc/self/statm") as fh:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        return _rss()
+        return peak_rss()

@@ -21,17 +21,16 @@ from their last checkpoints at `swiftwrite resume DIR`.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from ..base.errors import UserError
+from ..base.machine import die_with_parent
 from ..io.ui import Display, Progress
 from .assembly import load_weights, open_model
 from .inputs import Inputs
@@ -122,7 +121,9 @@ def write_task(task: Task, models: Models, display: Display, threads: int) -> tu
 
 def serve(slot: int, threads: int, tasks, results) -> None:
     """A worker process: write each Task `tasks` gives until it gives None; report to `results` as it goes."""
-    die_with_parent()
+    die_with_parent(signal.SIGKILL)  # no worker writes on alone after the batch process
+    if os.getppid() == 1:  # the batch process died before the call
+        os._exit(1)
     os.setpgrp()  # the terminal's Ctrl-C goes to the batch process, which passes it on once
     stop = []
     calm = lambda signum, frame: stop.append(signum)  # noqa: E731 (between documents: end after this one)
@@ -149,14 +150,6 @@ def serve(slot: int, threads: int, tasks, results) -> None:
         if code in INTERRUPTED:
             break
         gc.collect()  # the document's engine and llama.cpp context, before the next one makes its own
-
-
-def die_with_parent() -> None:
-    """Linux: this process is killed when the batch process dies (even by SIGKILL), so no worker writes on alone."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the parent died before the call
-            os._exit(1)
 
 
 class DocumentDisplay(Display):
