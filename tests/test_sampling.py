@@ -319,3 +319,59 @@ def test_min_p_in_numpy_equals_min_p_in_torch():
             got = logits.clone()
             sampling._drop_below(got, probs, scale)
             assert torch.equal(got, want)
+
+
+def _dense_min_p(rows: np.ndarray, temperature: float, scale: float) -> np.ndarray:
+    """The temperature and min-p over the whole vocabulary, as process() ran them before _min_p_near_top."""
+    out = rows.copy()
+    np.divide(out, np.float32(temperature), out=out)
+    t = torch.from_numpy(out)
+    sampling._drop_below(t, torch.softmax(t, dim=-1), scale)
+    return out
+
+
+def test_min_p_near_the_top_leaves_exactly_what_the_dense_softmax_leaves():
+    rng = np.random.default_rng(9)
+    decided = undecided = 0
+    for trial in range(600):
+        vocab = int(rng.choice([40, 3000, 49152]))
+        rows = (rng.standard_normal((1 + trial % 3, vocab)) * rng.uniform(0.5, 6)).astype(np.float32)
+        temperature, scale = float(rng.choice([0.3, 0.7, 1.3])), float(rng.choice([0.02, 0.1, 0.5, 1.0]))
+        if trial % 4 == 0:  # tokens within a hair of the threshold: only torch's rounding can decide them
+            at = rng.integers(0, vocab, 4)
+            edge = (rows[0].max() / np.float32(temperature) + np.float32(np.log(scale))) * np.float32(temperature)
+            rows[0, at] = edge + (rng.standard_normal(4) * 1e-5).astype(np.float32)
+        if trial % 5 == 0:
+            rows[:, rng.integers(0, vocab, 7)] = -np.inf  # suppressed tokens stay out
+        got = rows.copy()
+        if sampling._min_p_near_top(got, temperature, scale):
+            decided += 1
+            assert np.array_equal(got, _dense_min_p(rows, temperature, scale))
+        else:
+            undecided += 1
+            assert np.array_equal(got, rows)  # left for the dense path, untouched
+    assert decided > 250 and undecided > 100  # both ways taken (min_p = 1 puts the top itself on the threshold)
+
+
+def test_min_p_leaves_a_row_without_a_finite_top_to_the_dense_path():
+    rows = np.full((2, 50), -np.inf, dtype=np.float32)
+    rows[0, 3] = 1.0
+    assert not sampling._min_p_near_top(rows.copy(), 0.7, 0.1)
+    rows[1, 5] = np.nan
+    assert not sampling._min_p_near_top(rows.copy(), 0.7, 0.1)
+
+
+def test_greedy_takes_the_first_of_equal_maxima_as_torch_does():
+    sampler = Sampler(SamplerSettings(), 6)
+    rows = torch.tensor([[1.0, 3.0, 3.0, -1.0, 3.0, 0.0], [2.0, 2.0, 0.0, 0.0, 0.0, 2.0]])
+    assert sampler.choose(rows, [5, 6]).tolist() == rows.argmax(-1).tolist() == [1, 0]
+
+
+def test_the_penalty_counts_an_id_once_however_often_the_window_repeats_it():
+    sampler = Sampler(SamplerSettings(penalty=2.0, window=6), 6)
+    root = DraftTree()
+    root.reset(1)
+    flat = root.select(0, 0)
+    logits = torch.tensor([[4.0, 4.0, -4.0, 0.0, 4.0, -4.0]])
+    out = sampler.process(logits, torch.tensor([5, 1, 2, 1, 1, 2, 1]), flat.tokens, flat.depth, flat.anc)
+    assert out.tolist() == [[4.0, 2.0, -8.0, 0.0, 4.0, -4.0]]

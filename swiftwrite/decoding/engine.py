@@ -244,7 +244,7 @@ class Engine:
         excluded = self.bans.excluded(self.n) if self.bans is not None else None
         processed = self.sampler.process(logits, self.S[: self.n], flat.tokens, flat.depth, flat.anc, flat.parent,
                                          excluded)
-        choice = self.sampler.choose(processed, (self.n + flat.depth).tolist()).tolist()
+        choice = self.sampler.choose(processed, [self.n + d for d in flat.depth.tolist()]).tolist()
         path, bonus = walk(flat, choice)
         return processed, hidden, path, bonus
 
@@ -298,7 +298,7 @@ class Engine:
     def _commit(self, new: list[int]) -> None:
         """Append `new` to S; tell the sources, and count the shadow checks those tokens decide."""
         self._ensure_capacity(self.n + len(new))
-        self.S[self.n : self.n + len(new)] = torch.tensor(new, dtype=torch.long)
+        self.S.numpy()[self.n : self.n + len(new)] = new  # numpy's assignment: a fraction of torch's per-call cost
         self.n += len(new)
         if self.sources:
             hist = self.S[: self.n].numpy()

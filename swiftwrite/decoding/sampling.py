@@ -15,6 +15,7 @@ verify sampled tokens by the same walk as greedy ones, and a resumed run needs n
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,7 +49,8 @@ class Sampler:
         self._suppress = torch.tensor(s.suppress, dtype=torch.long, device=device) if s.suppress else None
         self.dry = Dry(s.dry, vocab) if s.dry.on else None
         # only a filter (top-k, top-p, min-p) can leave few candidates; without one choose() skips looking for them
-        self._filters = (0 < s.top_k < vocab) or s.top_p < 1.0 or s.min_p > 0.0
+        self._ranked = (0 < s.top_k < vocab) or s.top_p < 1.0  # filters that sort the vocabulary
+        self._filters = self._ranked or s.min_p > 0.0
 
     @property
     def greedy(self) -> bool:
@@ -69,9 +71,8 @@ class Sampler:
         h = history.numpy()
         N = h.shape[0]
         h = h[max(self.s.start, N - W, 0):]  # only the window is read (nothing before `start` counts)
-        if tokens.shape[0] == 1:  # plain decoding: the root's own window
-            inside = np.unique(h)
-            return np.zeros(inside.shape[0], dtype=np.int64), inside
+        if tokens.shape[0] == 1:  # plain decoding: the root's own window, repeats and all (sorting them out would
+            return np.zeros(h.shape[0], dtype=np.int64), h  # cost more than penalising an id twice with one value)
         N = h.shape[0]  # now <= W
         d_np, tok_np = depth.cpu().numpy(), tokens.cpu().numpy()
         rows, ids = [], []
@@ -104,10 +105,15 @@ class Sampler:
         # One copy, then every step in place: right after a forward has evicted the caches, each pass over the
         # vocabulary costs several times its warm figure. The copy is an ordinary tensor even from inference-mode
         # logits, so the in-place steps work outside inference mode too.
-        # On the CPU the steps up to the temperature run in numpy on the same memory: the same IEEE operations on
-        # float32 (tested), at a fraction of torch's per-call cost, which is most of what these few-id steps cost.
-        logits = logits.clone(memory_format=torch.contiguous_format)  # a model's rows may be a strided view
-        L = logits.numpy() if _numpy_view(logits) else None
+        # On the CPU the copy and the steps up to the temperature run in numpy on the same memory: the same IEEE
+        # operations on float32 (tested), at a fraction of torch's per-call cost, which is most of what these
+        # few-id steps cost; and torch's copy of a row of the vocabulary is an OpenMP region (a sampling profile of
+        # plain decoding on llama.cpp put a fifth of the time between its steps in that copy; numpy's, a fiftieth).
+        if _numpy_view(logits):
+            L = np.array(logits.numpy(), order="C")  # a model's rows may be a strided view
+            logits = torch.from_numpy(L)
+        else:
+            logits, L = logits.clone(memory_format=torch.contiguous_format), None
         if s.penalty != 1.0 and s.window > 0:
             # only the ids in a window change (a few hundred of the vocabulary): computed there alone
             rows, ids = self.seen(history, tokens, depth, anc)
@@ -129,6 +135,8 @@ class Sampler:
         if excluded:
             logits[0, torch.tensor(excluded, dtype=torch.long, device=logits.device)] = float("-inf")
         if self.greedy:
+            return logits
+        if L is not None and s.min_p > 0.0 and not self._ranked and _min_p_near_top(L, s.temperature, s.min_p):
             return logits
         if L is not None:
             np.divide(L, np.float32(s.temperature), out=L)
@@ -198,8 +206,8 @@ class Sampler:
     def choose(self, processed: torch.Tensor, positions: list[int] | torch.Tensor) -> torch.Tensor:
         """Token per row: argmax (greedy) or argmax(logits + G_position) (sampling). `positions` are the
         absolute indices of the tokens being chosen."""
-        if self.greedy:
-            return processed.argmax(-1)
+        if self.greedy:  # the first maximum in both (numpy's: one thread, as process() explains)
+            return torch.from_numpy(processed.numpy().argmax(-1)) if _numpy_view(processed) else processed.argmax(-1)
         pos = positions.tolist() if isinstance(positions, torch.Tensor) else list(positions)
         if self._filters and _numpy_view(processed):  # the only ids that can win: -inf + G stays -inf
             live = np.flatnonzero(processed.numpy() != -np.inf)
@@ -208,6 +216,8 @@ class Sampler:
         uniq = sorted(set(pos))
         table = torch.stack([self.noise(p) for p in uniq])
         rows = torch.tensor([uniq.index(p) for p in pos], device=processed.device)
+        if _numpy_view(processed):  # float32 sums and the first maximum, as torch's, on one thread
+            return torch.from_numpy((processed.numpy() + table[rows].numpy()).argmax(-1))
         return (processed + table[rows]).argmax(-1)
 
     def _choose_among(self, processed: torch.Tensor, pos: list[int], live: np.ndarray) -> torch.Tensor:
@@ -216,12 +226,14 @@ class Sampler:
         row than flatnonzero.)"""
         rows, ids_np = np.divmod(live, processed.shape[1])  # row-major: each row's ids ascending
         bounds = np.searchsorted(rows, np.arange(len(pos) + 1)).tolist()
-        score = processed[torch.from_numpy(rows), torch.from_numpy(ids_np)]
+        score = processed.numpy().reshape(-1)[live]
         out = [0] * len(pos)  # a row without candidates: argmax over -inf alone is 0, as in the full sum
         for r, p in enumerate(pos):
             a, b = bounds[r], bounds[r + 1]
-            if a < b:
-                out[r] = int(ids_np[a + int((score[a:b] + self.noise_at(p, ids_np[a:b])).argmax())])
+            if b - a == 1:  # one candidate wins whatever its (finite) noise: none drawn
+                out[r] = int(ids_np[a])
+            elif a < b:  # float32 sums, as torch adds them; the first maximum, as torch's argmax takes
+                out[r] = int(ids_np[a + int(np.argmax(score[a:b] + self.noise_at(p, ids_np[a:b]).numpy()))])
         return torch.tensor(out)
 
 
@@ -232,7 +244,7 @@ NOISE_PAD = 64  # a multiple of every CPU vector width torch uses for float64 (a
 def _numpy_view(x: torch.Tensor) -> bool:
     """Whether x can be read as a numpy array in place. On the CPU numpy's compares and fills over one row of
     logits cost a fraction of torch's kernels with boolean results (seen in a scratch timing), with the same bits."""
-    return x.device.type == "cpu" and x.dtype == torch.float32
+    return x.is_cpu and x.dtype == torch.float32  # is_cpu: no device object made (this runs a few times a token)
 
 
 def _drop_below(logits: torch.Tensor, probs: torch.Tensor, scale: float) -> None:
@@ -245,9 +257,36 @@ def _drop_below(logits: torch.Tensor, probs: torch.Tensor, scale: float) -> None
     np.putmask(logits.numpy(), p < np.float32(scale) * p.max(-1, keepdims=True), -np.inf)
 
 
+def _min_p_near_top(L: np.ndarray, temperature: float, scale: float) -> bool:
+    """The temperature and min-p, in place on float32 rows L of logits, leaving exactly what the dense path leaves
+    (np.divide by the temperature, then _drop_below over torch's softmax) while working out the softmax only near
+    each row's top. Dividing by T > 0 keeps the order, so z = L / T peaks at top / T, and token i survives min-p when
+    exp(z_i - z_top) >= scale: torch's softmax computes exp(z - z_top) / sum, within a few float32 ulps, and the sum
+    cancels. A token more than MIN_P_BAND from that threshold is therefore decided here as torch decides it; every
+    token below `floor` is 2 % under it. Returns False, with L untouched, when a row has no finite top or a token lies
+    inside the band: only torch's own rounding decides those (the caller then runs the dense path)."""
+    V, T, s32 = L.shape[-1], np.float32(temperature), float(np.float32(scale))
+    top = L.max(axis=-1, keepdims=True)
+    if not np.isfinite(top).all():
+        return False
+    floor = (top + np.float32(temperature * (math.log(scale) - 0.02))).astype(np.float32)
+    near = np.flatnonzero(L >= floor)  # flat indices, each row's own ids ascending; every row's top among them
+    z = L.reshape(-1)[near] / T  # float32, as np.divide computes each entry
+    e = np.exp((z - (top[:, 0] / T)[near // V]).astype(np.float64))  # the float32 difference, as torch's
+    if (np.abs(e - s32) <= MIN_P_BAND * s32).any():
+        return False
+    keep = e > s32
+    L.fill(-np.inf)
+    L.reshape(-1)[near[keep]] = z[keep]
+    return True
+
+
+MIN_P_BAND = 1e-4  # relative; torch's float32 exp and sum are within ~1e-6 of the true values, far inside it
+
+
 def _gumbel(u: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise, float32, from uniform doubles: one function for both ways of drawing them."""
-    return (-torch.log(-torch.log(u.clamp_(1e-300, 1.0 - 1e-16)))).to(torch.float32)
+    return u.clamp_(1e-300, 1.0 - 1e-16).log_().neg_().log_().neg_().to(torch.float32)  # in place: the same bits
 
 
 def parent_of(anc: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:

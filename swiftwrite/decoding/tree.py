@@ -15,6 +15,7 @@ the same contexts.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
 
@@ -104,10 +105,10 @@ class DraftTree:
 
     def select(self, budget: int, max_depth: int, device="cpu") -> Flat:
         """Keep the root and the `budget` best nodes no deeper than `max_depth`; return them flattened."""
-        if budget <= 0:  # a plain step (or a resting one): nothing to rank
-            return Flat(torch.tensor(self.token[:1], dtype=torch.long, device=device),
-                        torch.zeros(1, dtype=torch.long, device=device), torch.full((1,), -1, dtype=torch.long, device=device),
-                        torch.ones(1, 1, dtype=torch.bool, device=device), self.src[:1], self.rank[:1], {})
+        if budget <= 0:  # a plain step (or a resting one): nothing to rank, and the root's shape is always the same
+            depth, parent, anc = _root_shape(str(device))
+            return Flat(torch.tensor(self.token[:1], dtype=torch.long, device=device), depth, parent, anc,
+                        self.src[:1], self.rank[:1], {})
         keep = [0] + self._best(budget, max_depth)
         new = {old: k for k, old in enumerate(keep)}
         n = len(keep)
@@ -133,6 +134,14 @@ class DraftTree:
         new = {old: j for j, old in enumerate(keep)}
         return ([self.token[i] for i in keep], [-1] + [new[self.parent[i]] for i in keep[1:]],
                 [self.depth[i] for i in keep], [self.rank[i] for i in keep], sum(self.score[i] for i in keep[1:]))
+
+
+@functools.cache
+def _root_shape(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A lone root's depth, parent and mask, made once per device: a plain step is made every few milliseconds,
+    and nothing writes into a Flat."""
+    return (torch.zeros(1, dtype=torch.long, device=device), torch.full((1,), -1, dtype=torch.long, device=device),
+            torch.ones(1, 1, dtype=torch.bool, device=device))
 
 
 def walk(flat: Flat, choice: list[int]) -> tuple[list[int], int]:

@@ -245,6 +245,7 @@ class GgmlModel:
         self._nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(MAX_ROWS,))
         self._out = np.ctypeslib.as_array(b.logits, shape=(MAX_ROWS,))
         self._seq = [b.seq_id[i] for i in range(MAX_ROWS)]
+        self._views: dict[tuple[int, int], np.ndarray] = {}  # _logits
         # rows a tree may carry (max_rows) and a prefill's batches (batch_rows): the probe's finding (apply)
         self.apply(Finding(batch_rows=1, max_rows=1))  # a step at a time until probed
 
@@ -269,7 +270,6 @@ class GgmlModel:
         self._caches.add(cache)
         return cache
 
-    @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: GgmlCache, mask: torch.Tensor | None = None,
                 logits_for=None, kv=None) -> tuple[torch.Tensor, torch.Tensor]:
         if kv is not None:
@@ -282,7 +282,8 @@ class GgmlModel:
         if cache.tree is not None:  # an uncompacted tree left the context shared into its leaves' sequences
             lib.llama_memory_seq_keep(cache.mem, cache.main)
             cache.tree = None
-        cache.high = max(start, int(positions.max()) + 1)
+        ids_np, pos_np = ids.numpy(), positions.numpy()
+        cache.high = max(start, int(pos_np.max()) + 1)
         wanted = np.zeros(n, dtype=bool)
         rows = np.arange(n) if logits_for is None else np.arange(n)[logits_for]
         wanted[rows] = True
@@ -290,14 +291,14 @@ class GgmlModel:
             if n > self.max_rows:
                 raise RuntimeError(f"a tree of {n} nodes; llama.cpp computes {self.max_rows} rows exactly here")
             order = cache.plan_tree(mask, ids)  # batch row -> node: the first child's chain first
-            got = self._decode(cache, ids.numpy()[order], positions.numpy()[order], wanted[order], cache.tree, order)
+            got = self._decode(cache, ids_np[order], pos_np[order], wanted[order], cache.tree, order)
             at = np.full(n, -1, dtype=np.int64)
             at[order[wanted[order]]] = np.arange(int(wanted.sum()))
             return torch.from_numpy(got[at[rows]]), torch.empty(n, 0)
         # causal tokens (a step, a prefill): in batches of at most batch_rows, the most whose rows keep a single
         # step's bits here (the probe), so a prefilled context equals one written a token at a time (up to ~512
         # cells where steps_apart)
-        parts, ids_np, pos_np = [], ids.numpy(), positions.numpy()
+        parts = []
         for a in range(0, n, self.batch_rows):
             b = min(n, a + self.batch_rows)
             parts.append(self._decode(cache, ids_np[a:b], pos_np[a:b], wanted[a:b]))
@@ -331,7 +332,19 @@ class GgmlModel:
         k = int(np.count_nonzero(out))
         if not k:
             return np.empty((0, self.vocab), dtype=np.float32)
-        return np.ctypeslib.as_array(self.lib.llama_get_logits(cache.ctx), shape=(k, self.vocab)).copy()
+        return self._logits(cache, k).copy()
+
+    def _logits(self, cache: GgmlCache, k: int) -> np.ndarray:
+        """The last decode's `k` rows of logits, in llama.cpp's buffer: a view kept per address and row count (making
+        one costs more than a step's sampling; the buffer moves only when llama.cpp reserves more rows)."""
+        ptr = self.lib.llama_get_logits(cache.ctx)
+        key = (ctypes.cast(ptr, ctypes.c_void_p).value, k)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            view = self._views[key] = np.ctypeslib.as_array(ptr, shape=(k, self.vocab))
+        return view
 
     def apply(self, found: Finding) -> None:
         """Take the probe's finding (ggmlprobe.probe, or one kept from an earlier run): the rows a forward may
