@@ -44,8 +44,8 @@ class Pool:
         mp = multiprocessing.get_context("spawn")
         results = mp.Queue()
         inboxes = [mp.Queue() for _ in range(self.n)]
-        procs = [mp.Process(target=serve, args=(slot, self.threads, inboxes[slot], results), name=f"swiftwrite-{slot}")
-                 for slot in range(self.n)]
+        procs = [mp.Process(target=serve, args=(slot, self.threads, inboxes[slot], results, os.getpid()),
+                            name=f"swiftwrite-{slot}") for slot in range(self.n)]
         for p in procs:
             p.start()
         pending, alone, writing, progress = deque(tasks), [], {}, {}  # writing: slot -> name

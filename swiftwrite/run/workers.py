@@ -119,10 +119,11 @@ def write_task(task: Task, models: Models, display: Display, threads: int) -> tu
         return "ended", INTERRUPTED[0], "interrupted before it wrote more"
 
 
-def serve(slot: int, threads: int, tasks, results) -> None:
-    """A worker process: write each Task `tasks` gives until it gives None; report to `results` as it goes."""
+def serve(slot: int, threads: int, tasks, results, parent: int) -> None:
+    """A worker process: write each Task `tasks` gives until it gives None; report to `results` as it goes.
+    `parent`: the batch process's pid."""
     die_with_parent(signal.SIGKILL)  # no worker writes on alone after the batch process
-    if os.getppid() == 1:  # the batch process died before the call
+    if os.getppid() != parent:  # the batch process died before the call (not "is 1": it may itself be PID 1)
         os._exit(1)
     os.setpgrp()  # the terminal's Ctrl-C goes to the batch process, which passes it on once
     stop = []
