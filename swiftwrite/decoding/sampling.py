@@ -119,8 +119,10 @@ class Sampler:
             rows, ids = self.seen(history, tokens, depth, anc)
             # theta > 1 pushes seen tokens down on both sides of zero: divide positive logits, multiply negative
             if L is not None:
-                seen, theta = L[rows, ids], np.float32(s.penalty)
-                L[rows, ids] = np.where(seen > 0, seen / theta, seen * theta)
+                flat = L.reshape(-1)  # a view (L is contiguous): numpy's 1-D indexing costs less than its 2-D
+                at = ids if L.shape[0] == 1 else rows * L.shape[1] + ids
+                seen, theta = flat[at], np.float32(s.penalty)
+                flat[at] = np.where(seen > 0, seen / theta, seen * theta)
             else:
                 rows, ids = torch.from_numpy(rows).to(logits.device), torch.from_numpy(ids).to(logits.device)
                 seen = logits[rows, ids]

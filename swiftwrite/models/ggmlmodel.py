@@ -246,6 +246,11 @@ class GgmlModel:
         self._out = np.ctypeslib.as_array(b.logits, shape=(MAX_ROWS,))
         self._seq = [b.seq_id[i] for i in range(MAX_ROWS)]
         self._views: dict[tuple[int, int], np.ndarray] = {}  # _logits
+        # llama_get_logits returning the address as an int: the binding's own returns a pointer object, and with the
+        # cast to an address that cost ~40 us a step in a timed run (a cold ctypes path after every llama_decode)
+        self._logits_at = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
+            ctypes.cast(lib.llama_get_logits, ctypes.c_void_p).value)
+        self._no_hidden: dict[int, torch.Tensor] = {}  # _hidden
         # rows a tree may carry (max_rows) and a prefill's batches (batch_rows): the probe's finding (apply)
         self.apply(Finding(batch_rows=1, max_rows=1))  # a step at a time until probed
 
@@ -294,7 +299,7 @@ class GgmlModel:
             got = self._decode(cache, ids_np[order], pos_np[order], wanted[order], cache.tree, order)
             at = np.full(n, -1, dtype=np.int64)
             at[order[wanted[order]]] = np.arange(int(wanted.sum()))
-            return torch.from_numpy(got[at[rows]]), torch.empty(n, 0)
+            return torch.from_numpy(got[at[rows]]), self._hidden(n)
         # causal tokens (a step, a prefill): in batches of at most batch_rows, the most whose rows keep a single
         # step's bits here (the probe), so a prefilled context equals one written a token at a time (up to ~512
         # cells where steps_apart)
@@ -304,9 +309,16 @@ class GgmlModel:
             parts.append(self._decode(cache, ids_np[a:b], pos_np[a:b], wanted[a:b]))
         got = parts[0] if len(parts) == 1 else np.concatenate(parts)
         if len(rows) == len(got) and (len(rows) < 2 or rows[0] < rows[-1]):  # every wanted row, in order
-            return torch.from_numpy(got), torch.empty(n, 0)
+            return torch.from_numpy(got), self._hidden(n)
         at = np.cumsum(wanted) - 1
-        return torch.from_numpy(got[at[rows]]), torch.empty(n, 0)
+        return torch.from_numpy(got[at[rows]]), self._hidden(n)
+
+    def _hidden(self, n: int) -> torch.Tensor:
+        """The [n, 0] hidden states a forward returns (llama.cpp exposes none): made once per size, not every step."""
+        h = self._no_hidden.get(n)
+        if h is None:
+            h = self._no_hidden[n] = torch.empty(n, 0)
+        return h
 
     def _decode(self, cache: GgmlCache, ids, pos, out, tree=None, order=None) -> np.ndarray:
         """One llama_decode over rows given in batch order; the logits of the rows flagged in `out`, copied."""
@@ -337,13 +349,13 @@ class GgmlModel:
     def _logits(self, cache: GgmlCache, k: int) -> np.ndarray:
         """The last decode's `k` rows of logits, in llama.cpp's buffer: a view kept per address and row count (making
         one costs more than a step's sampling; the buffer moves only when llama.cpp reserves more rows)."""
-        ptr = self.lib.llama_get_logits(cache.ctx)
-        key = (ctypes.cast(ptr, ctypes.c_void_p).value, k)
+        key = (self._logits_at(cache.ctx), k)
         view = self._views.get(key)
         if view is None:
             if len(self._views) > 64:
                 self._views.clear()
-            view = self._views[key] = np.ctypeslib.as_array(ptr, shape=(k, self.vocab))
+            view = self._views[key] = np.ctypeslib.as_array((ctypes.c_float * (k * self.vocab)).from_address(key[0]))
+            view.shape = (k, self.vocab)
         return view
 
     def apply(self, found: Finding) -> None:
