@@ -245,7 +245,6 @@ class GgmlModel:
         self._nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(MAX_ROWS,))
         self._out = np.ctypeslib.as_array(b.logits, shape=(MAX_ROWS,))
         self._seq = [b.seq_id[i] for i in range(MAX_ROWS)]
-        self._views: dict[tuple[int, int], np.ndarray] = {}  # _logits
         # llama_get_logits returning the address as an int: the binding's own returns a pointer object, and with the
         # cast to an address that cost ~40 us a step in a timed run (a cold ctypes path after every llama_decode)
         self._logits_at = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
@@ -347,16 +346,9 @@ class GgmlModel:
         return self._logits(cache, k).copy()
 
     def _logits(self, cache: GgmlCache, k: int) -> np.ndarray:
-        """The last decode's `k` rows of logits, in llama.cpp's buffer: a view kept per address and row count (making
-        one costs more than a step's sampling; the buffer moves only when llama.cpp reserves more rows)."""
-        key = (self._logits_at(cache.ctx), k)
-        view = self._views.get(key)
-        if view is None:
-            if len(self._views) > 64:
-                self._views.clear()
-            view = self._views[key] = np.ctypeslib.as_array((ctypes.c_float * (k * self.vocab)).from_address(key[0]))
-            view.shape = (k, self.vocab)
-        return view
+        """The last decode's `k` rows of logits, a view of llama.cpp's buffer (valid until the next decode)."""
+        rows = (ctypes.c_float * (k * self.vocab)).from_address(self._logits_at(cache.ctx))
+        return np.frombuffer(rows, dtype=np.float32).reshape(k, self.vocab)
 
     def apply(self, found: Finding) -> None:
         """Take the probe's finding (ggmlprobe.probe, or one kept from an earlier run): the rows a forward may
