@@ -123,8 +123,11 @@ def generate(
         m.ranks.check_world(cfg.tp, cfg.device)
         raise typer.Exit(m.ranks.launch(cfg.tp, sys.argv[1:]))
     # what the user typed, checked before torch is imported: a mistyped path is refused at once
+    if own.json and not own.dry_run:
+        raise UsageError("--json prints the plan of --dry-run; add --dry-run, or use --stats-json FILE for a run's "
+                         "statistics.")
     given_input = inputs.read(cfg, prompt, own.run_dir, own.out, own.stats_json)
-    raise typer.Exit(heavy().writer.generate(given_input, own.quiet, own.no_live))
+    raise typer.Exit(heavy().writer.generate(given_input, own.quiet, own.no_live, own.dry_run, own.json))
 
 
 @app.command()

@@ -163,6 +163,9 @@ GENERATE: tuple[Option, ...] = (  # besides OPTIONS
     Option("run_dir", Path, None, "DIR", "Run directory (default runs/<slug>-<time>)."),
     Option("config", Path, None, "FILE", "YAML file with options."),
     QUIET, NO_LIVE, STATS_JSON,
+    # the plan (run/runplan.py) without running it: nothing loaded past the tokenizer, nothing written
+    Option("dry_run", bool, False, "", "Show what would run and why (memory, context, time) and stop."),
+    Option("json", bool, False, "", "With --dry-run: the plan as JSON on standard output."),
 )
 
 RESUME: tuple[Option, ...] = (

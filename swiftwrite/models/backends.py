@@ -110,6 +110,15 @@ def load(name: str, model_dir: Path, threads: int, load_torch, load_ggml_model, 
     return measured(model_dir, threads, load_torch, load_ggml_model, price_torch, say)
 
 
+def kept_choice(name: str, model_fingerprint: str, threads: int) -> tuple[str, float | None]:
+    """What `name` will run as, read from the kept timings without loading anything (`auto` not yet timed here stays
+    "auto"), and the kept milliseconds of its plain step (None where none was kept)."""
+    times = measurements.kept(_path(), f"{model_fingerprint}/{threads}t/{machine_key()}", _times)
+    if name == "auto" and times is not None:
+        name = _fastest(times)
+    return name, (times or {}).get(name)
+
+
 def runs_torch_weights(name: str) -> bool:
     """Whether --weights (torch's float or re-quantized weights) applies: not on llama.cpp, which runs the GGUF's own
     bits."""

@@ -47,6 +47,25 @@ MAX_SEQS = 64  # sequence ids: the most leaves a tree of MAX_BUDGET + 1 nodes ha
 CTX_STEP = 256  # llama.cpp contexts are sized in these steps
 
 
+def context_cells(capacity: int) -> int:
+    """The cells of the llama.cpp context made for `capacity` slots: a tree may sit past the last slot."""
+    return -(-(capacity + MAX_ROWS) // CTX_STEP) * CTX_STEP
+
+
+def memory_bytes(cfg, capacity: int) -> tuple[int, int]:
+    """What a context for `capacity` slots holds besides the mapped weights: (KV cache, compute and output buffers).
+    Keys and values in float16; without flash attention the compute buffer's largest tensors are a ubatch's
+    attention scores and mask in float32 (cells x MAX_ROWS x (heads + 1)), or its logits where that is more; the
+    output buffer holds the logits of MAX_SEQS rows. Checked against llama.cpp's own log of its buffers on the
+    default model at 2,048 / 8,448 / 33,024 cells (45.0 / 185.6 / 725.6 MiB KV, 24.8 / 42.9 / 162.9 MiB compute,
+    12.0 MiB output, 2026-12-07)."""
+    cells = context_cells(capacity)
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * cells * 2
+    scores = cells * MAX_ROWS * (cfg.n_heads + 1) * 4
+    logits = MAX_ROWS * cfg.vocab_size * 4
+    return kv, max(scores, logits) + (2 << 20) + MAX_SEQS * cfg.vocab_size * 4
+
+
 @dataclass(frozen=True)
 class Loading:
     """How a model is loaded into llama.cpp: `flash_attn` is llama.cpp's flash_attn_type, `repack` its
@@ -71,7 +90,7 @@ class GgmlCache:
         lib = model.lib
         self.model, self.capacity, self.length = model, capacity, 0
         params = lib.llama_context_default_params()
-        params.n_ctx = -(-(capacity + MAX_ROWS) // CTX_STEP) * CTX_STEP  # a tree may sit past the last slot
+        params.n_ctx = context_cells(capacity)
         params.n_batch = params.n_ubatch = MAX_ROWS  # one forward is one ubatch: its rows are computed together
         params.n_seq_max = MAX_SEQS
         params.kv_unified = True  # the context's cells are shared by every leaf's sequence, not copied
@@ -87,8 +106,7 @@ class GgmlCache:
         self.main = 0  # the sequence id holding the committed tokens
         self.high = 0  # one past the highest position any forward wrote (cells past `length` to drop)
         self.tree: list[list[int]] | None = None  # the last forward's sequence ids per node, while it was a tree
-        c = model.cfg
-        self.nbytes = 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.n_ctx * 2  # f16 keys and values
+        self.nbytes = memory_bytes(model.cfg, capacity)[0]  # f16 keys and values
 
     def plan_tree(self, mask: torch.Tensor, ids: torch.Tensor) -> np.ndarray:
         """Sequence ids for a tree's nodes (those of the leaves below each: mask[i, j] = j is an ancestor of i or i

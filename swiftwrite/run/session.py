@@ -31,7 +31,7 @@ from ..io.rundir import RunDir
 from ..io.ui import QUALITY_WINDOW, WORDS_WINDOW, Display, Progress
 from ..models import threads
 from ..models.backends import cpu_extensions
-from . import schedule
+from . import runplan, schedule
 from .interrupts import Interrupt, interrupted_before_the_loop, lost, resume_command, until_a_rank_is_lost
 from .records import Loaded, Resolved
 from .runstats import RunStats, plain_int, write_stats_json
@@ -103,6 +103,8 @@ class Session:
     curves: Curves | None = None  # the automatic budget's cost curves
     cells: CellFiles | None = None  # the cache's cells saved at each checkpoint (abilities.saves_cells)
     cells_saved: tuple = ((0, 0), 0)  # the context span they belong to, and the end of the last stretch saved
+    plan: runplan.RunPlan | None = None  # what the run was planned to be (the estimate; its costs are kept for the next)
+    prefill: tuple[float, int] = (0.0, 0)  # a new run's prefill: seconds, tokens
 
     def start(self, rd: RunDir, ids: list[int]) -> None:
         """Prefill `ids` (prompt and the tokens written so far), putting back the cells a checkpoint saved where they
@@ -110,7 +112,10 @@ class Session:
         engine, owner = self.engine, self.engine.model.abilities.saves_cells
         self.cells = CellFiles(rd.path, f"{self.lm.ref.fingerprint}/{owner}") if owner else None
         with interrupted_before_the_loop(rd):
+            t = time.perf_counter()
             engine.start(ids, self.cells.read() if self.cells else ())
+            if not rd.tokens:  # a new run's prefill, for the next estimate (a resume's puts cells back)
+                self.prefill = (time.perf_counter() - t, len(ids))
             if self.cells:
                 self.cells.clear(keep_before=engine.restored)  # the ones not put back belong to no context now
                 self.cells_saved = (engine.span, engine.restored)
@@ -178,6 +183,8 @@ class Session:
                if engine.bans else {}),
             "threads": torch.get_num_threads(), **({"thread_changes": gov.changes} if gov else {}),
             "tp": lm.tp,  # the ranks this text came from: resume keeps it (ranks.recorded)
+            **({"estimated_seconds": round(self.plan.estimate, 3) if self.plan.estimate is not None else None,
+                "planned_memory_bytes": self.plan.memory.total} if self.plan else {}),
             **({"resolved": self.resolved.to_dict()} if self.resolved else {}),
             # a run continued from an edited text (rounds.py): its round, and the token where the edit began
             **({"round": rd.round, "edit_at": (rd.stats or {}).get("edit_at")} if rd.round > 1 else {}),
@@ -240,6 +247,7 @@ class Session:
         the run here."""
         st, display = w.st, self.display
         st.count(step, self.engine.sources)
+        st.timed(self.engine.cache.length // runplan.BUCKET, len(step.tokens))
         if step.let_through:
             display.alert(f"swiftwrite: a banned phrase was chosen again after {MAX_RETRIES} other first "
                           f"tokens were tried at the same place (near token {st.done}); it stays in the text.")
@@ -336,6 +344,8 @@ class Session:
                  "longest_repeat": longest_repeat(rd.tokens),
                  f"distinct_1_per_{WORDS_WINDOW}": distinct_per_window(rd.tokens, WORDS_WINDOW)}
         display.summary(final)
+        if self.plan is not None and st.made:
+            runplan.keep_rates(self.plan.rate_key(self.lm.backend), st.rate_seconds, st.rate_tokens, self.prefill)
         if stats_json is not None:
             write_stats_json(stats_json, final, f"the run itself is saved in {rd.path}.")
         if st.stopped == "loop":

@@ -13,6 +13,7 @@ The checks of the user's input come before torch is imported (inputs.py); transf
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 from typing import Callable
@@ -28,7 +29,7 @@ from ..io.rundir import RunDir
 from ..io.ui import Display
 from ..models.store import resolve
 from . import outline as outlines
-from . import ranks, schedule
+from . import ranks, runplan, schedule
 from .assembly import Loaded, check_device, load_weights, make_window, open_model, open_session, planning_engine
 from .inputs import Inputs, check_writable
 from .edits import (check_continues, check_not_edited, continued_plan, plan_of, read_edited, rebuilt_text, token_finder,
@@ -39,26 +40,53 @@ from .session import open_out, plain_int, unpack_state
 # generate / resume
 
 
-def generate(inputs: Inputs, quiet: bool, no_live: bool) -> int:
-    """Write the document `inputs` (inputs.read, which checked what the user typed) asks for."""
+def generate(inputs: Inputs, quiet: bool, no_live: bool, dry_run: bool = False, as_json: bool = False) -> int:
+    """Write the document `inputs` (inputs.read, which checked what the user typed) asks for; with `dry_run`, only
+    say what would run (show_plan)."""
     display = Display(Display.choose(quiet, no_live))
+    if dry_run:
+        return show_plan(inputs, display, as_json)
     return write_new(inputs, open_model(inputs.cfg, display), display)
+
+
+def show_plan(inputs: Inputs, display: Display, as_json: bool) -> int:
+    """--dry-run: the run's plan (runplan.py) as a table on stderr, and with `as_json` as JSON on stdout; nothing
+    is loaded past the model's configuration and tokenizer, nothing written. With --plan the outline the model
+    would write is not known: the plan is made for the brief alone."""
+    heard: list[str] = []
+    lm = open_model(inputs.cfg, Display("quiet", heard=heard))  # what opening decided goes into the plan's notes
+    text, ids, plan = _prompt(inputs, lm, inputs.sections, inputs.budgets)
+    _check_ids(lm, ids)
+    made = runplan.make(inputs.cfg, lm, len(ids) + (plan.pin_max if plan else 0),
+                        notes=tuple(("opening", line) for line in heard))
+    display.plan(made.rows(), f"swiftwrite --dry-run: {inputs.cfg.tokens:,} tokens, nothing written")
+    if as_json:
+        print(json.dumps(made.to_dict(), indent=1))
+    return 0
+
+
+def _prompt(inputs: Inputs, lm: Loaded, sections, budgets) -> tuple[str, list[int], schedule.Plan | None]:
+    """The prompt's text and ids, and the outline's schedule plan, for `sections` (None: no outline)."""
+    cfg = inputs.cfg
+    text = apply_template(outlines.with_outline(inputs.brief, sections) if sections else inputs.brief, cfg.template,
+                          inputs.source)
+    ids = prompt_ids(lm.tok, text, cfg.raw)
+    plan = schedule.Plan.build(sections, budgets, lambda t: lm.tok(t, add_special_tokens=False)["input_ids"]) \
+        if sections else None
+    return text, ids, plan
 
 
 def write_new(inputs: Inputs, lm: Loaded, display: Display) -> int:
     """A new run of `inputs` on the opened model `lm` (its weights loaded here if they are not yet): `generate`'s
     one document, or each of a batch's documents on the model the batch loaded once (batch.py)."""
-    cfg, brief, source, sections, budgets = inputs.cfg, inputs.brief, inputs.source, inputs.sections, inputs.budgets
+    cfg, sections, budgets = inputs.cfg, inputs.sections, inputs.budgets
     path, out_path, stats_json = inputs.run_dir, inputs.out, inputs.stats_json
     if cfg.plan or cfg.plan_only:
-        sections = _plan(cfg, lm, brief, out_path, display)
+        sections = _plan(cfg, lm, inputs.brief, out_path, display)
         if cfg.plan_only:
             return 0
         budgets = outlines.allocate(sections, cfg.tokens, "the planned outline")
-    text = apply_template(outlines.with_outline(brief, sections) if sections else brief, cfg.template, source)
-    ids = prompt_ids(lm.tok, text, cfg.raw)
-    plan = schedule.Plan.build(sections, budgets, lambda t: lm.tok(t, add_special_tokens=False)["input_ids"]) \
-        if sections else None
+    text, ids, plan = _prompt(inputs, lm, sections, budgets)
     _check_ids(lm, ids)
     session = open_session(cfg, lm, len(ids), plan, display)
     out = open_out(out_path)
