@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .base import config as config_mod
-from .base import options
+from .base import options, rules
 from .base.errors import RankLost, UsageError, UserError
 from .base.options import OPTIONS, Option
 from .run import inputs
@@ -115,8 +115,7 @@ def generate(
     here = heavy().ranks.current if "WORLD_SIZE" in os.environ else None  # as in main: torch only for a rank
     if here is not None:  # one rank of a group (torchrun, or a --tp launch): the group's size is the degree
         if run["tp"] is not None and cfg.tp != here.world:
-            raise UsageError(f"--tp {cfg.tp} was given, but this command runs as {here.world} ranks; give the same "
-                             "number to both, or leave --tp out under torchrun.")
+            raise UsageError(rules.tp_against_world(cfg.tp, here.world))
         cfg = dataclasses.replace(cfg, tp=here.world).validate()
     elif cfg.tp > 1:
         m = heavy()
@@ -192,8 +191,7 @@ def resume(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="The run 
     m = heavy()  # after the options are checked, as in generate
     here = m.ranks.current
     if here is not None and o.tp is not None and o.tp != here.world:
-        raise UsageError(f"--tp {o.tp} was given, but this command runs as {here.world} ranks; give the same number "
-                         "to both, or leave --tp out under torchrun.")
+        raise UsageError(rules.tp_against_world(o.tp, here.world))
     recorded, device = m.ranks.recorded(run_dir)
     world = here.world if here is not None else o.tp or recorded
     if world != recorded and not o.force:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from . import rules
 from .errors import UsageError
 from .machine import cores
 from .options import ATTENTIONS, BY_NAME, OPTIONS
@@ -105,8 +106,8 @@ class Config:
              "cannot be combined with an outline yet (--outline, --plan); drop one of the two")
         need(not ((self.ban or self.ban_file) and self.tp > 1), "ban",
              "is not built for tensor parallelism yet; drop --tp or the banned phrases")
-        need(not (self.backend.startswith("ggml") and self.tp > 1), "backend",
-             "runs llama.cpp in one process; drop --tp, or use --backend torch for tensor parallelism")
+        if self.backend.startswith("ggml") and self.tp > 1:
+            raise UsageError(rules.GGML_ONE_PROCESS)
         return self
 
     def _check_sampling(self, need) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..base import measurements
+from ..base import measurements, rules
 from ..base.errors import UserError
 from ..base.paths import GGUF_FILE, fingerprint
 from . import ggmlbinding, ggmlmodel, ggmlprobe
@@ -64,7 +64,7 @@ def why_not_ggml(cfg, model_dir: Path, device: str) -> str | None:
         return (f"the ggml backend runs GGUF models, and {model_dir} holds no GGUF (safetensors only); "
                 "use --backend torch, or give a .gguf file as --model.")
     if cfg.tp > 1:
-        return "the ggml backend runs in one process; drop --tp, or use --backend torch for tensor parallelism."
+        return rules.GGML_ONE_PROCESS
     if device != "cpu":
         return f"the ggml backend runs on the CPU here, and this run is on {device}; use --backend torch or --device cpu."
     if cfg.weights in ("int8", "int4"):

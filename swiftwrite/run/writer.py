@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from ..base import rules
 from ..base.config import Config
 from ..base.config import resolve as resolve_cfg
 from ..base.errors import UsageError, UserError
@@ -175,9 +176,7 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
         lm = _reopen_model(cfg, rd, force, complete, display) if not complete or rd.text_damaged else None
         if complete:
             display.info(f"{run_dir} is already complete ({len(rd.tokens)} tokens); pass --tokens N to write more.")
-            if out_path is not None:
-                open_out(out_path, (rd.path / "output.txt").read_text(encoding="utf-8")).close()
-            return 0
+            return _copy_finished(rd, out_path)
         return _continue(cfg, lm, rd, out_path, stats_json, display)
     finally:
         rd.close()
@@ -209,9 +208,7 @@ def _reopen_model(cfg: Config, rd: RunDir, force: bool, complete: bool, display:
     ref = resolve(cfg.model, log=display.info)
     if ref.fingerprint != rd.fingerprint:
         if not force:
-            raise UserError(f"{rd.path} was written with another model (fingerprint {rd.fingerprint}, now "
-                            f"{ref.fingerprint}); resuming would not continue the same text. "
-                            "Use --force to do it anyway.")
+            raise UserError(rules.another_model(rd.path, rd.fingerprint, ref.fingerprint, "Use --force to do it anyway."))
         display.info("resuming with a different model (--force): the continuation will differ from the original run.")
     lm = open_model(cfg, display, ref)
     _repair_text(rd, lm, complete, display)
@@ -239,16 +236,22 @@ def continue_document(run_dir: Path, out_path: Path, stats_json: Path | None, di
         if not complete or rd.text_damaged:
             lm = model_for(cfg)
             if lm.ref.fingerprint != rd.fingerprint:
-                raise UserError(f"{rd.path} was written with another model (fingerprint {rd.fingerprint}, now "
-                                f"{lm.ref.fingerprint}); continue it alone with `swiftwrite resume {rd.path} --force` "
-                                "if another text is what you want.")
+                raise UserError(rules.another_model(rd.path, rd.fingerprint, lm.ref.fingerprint,
+                                                    f"Continue it alone with `swiftwrite resume {rd.path} --force` if "
+                                                    "another text is what you want."))
             _repair_text(rd, lm, complete, display)
         if complete:
-            open_out(out_path, (rd.path / "output.txt").read_text(encoding="utf-8")).close()
-            return 0
+            return _copy_finished(rd, out_path)
         return _continue(cfg, lm, rd, out_path, stats_json, display)
     finally:
         rd.close()
+
+
+def _copy_finished(rd: RunDir, out_path: Path | None) -> int:
+    """A finished run's text to --out (nothing to do without one: its text is in the run directory)."""
+    if out_path is not None:
+        open_out(out_path, (rd.path / "output.txt").read_text(encoding="utf-8")).close()
+    return 0
 
 
 def _continue(cfg: Config, lm: Loaded, rd: RunDir, out_path: Path | None, stats_json: Path | None,
