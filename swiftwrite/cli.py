@@ -122,9 +122,7 @@ def generate(
         m.ranks.check_world(cfg.tp, cfg.device)
         raise typer.Exit(m.ranks.launch(cfg.tp, sys.argv[1:]))
     # what the user typed, checked before torch is imported: a mistyped path is refused at once
-    if own.json and not own.dry_run:
-        raise UsageError("--json prints the plan of --dry-run; add --dry-run, or use --stats-json FILE for a run's "
-                         "statistics.")
+    _check_json(own)
     given_input = inputs.read(cfg, prompt, own.run_dir, own.out, own.stats_json)
     raise typer.Exit(heavy().writer.generate(given_input, own.quiet, own.no_live, own.dry_run, own.json))
 
@@ -148,9 +146,18 @@ def batch(
     parallel = _parallel(own.parallel, own.ray)
     _check_ray(own.ray)
     run = {o.name: flags[o.name] for o in OPTIONS}
+    _check_json(own)
     jobs_read = inputs.read_jobs(jobs, own.config, run, own.out_dir)  # every line checked before anything heavy
+    if own.dry_run:
+        raise typer.Exit(heavy().writer.show_batch_plan(jobs_read, own.out_dir, own.quiet, own.json))
     raise typer.Exit(heavy().batch.start(jobs_read, "standard input" if jobs == "-" else jobs, own.out_dir, own.quiet,
                                          own.no_live, own.stats_json, parallel, own.ray))
+
+
+def _check_json(own) -> None:
+    if own.json and not own.dry_run:
+        raise UsageError("--json prints the plan of --dry-run; add --dry-run, or use --stats-json FILE for a run's "
+                         "statistics.")
 
 
 def _parallel(text: str, ray: str | None) -> int | str:

@@ -69,3 +69,19 @@ def test_a_run_keeps_its_costs_for_the_next_estimate_and_reports_both(work):
     assert plan["estimate"] is not None and "kept by earlier runs" in plan["notes"]["time"]
     # the kept costs are this run's: 48 tokens after the prompt, within a factor of two of what it took
     assert 0.5 * s["seconds"] < plan["estimate"] < 2 * s["seconds"] + 5
+
+
+def test_a_batch_dry_run_plans_each_document_and_writes_nothing(work):
+    jobs = work / "jobs.jsonl"
+    jobs.write_text('{"prompt": "A lighthouse keeper finds a bottle.", "out": "a.md", "tokens": 300}\n'
+                    '{"prompt": "A report on tides.", "out": "b.md", "tokens": 20000, "template": "report"}\n')
+    p = sw("batch", jobs, "--out-dir", work / "batch", "--dry-run", "--json", env=clean_env(), cwd=work)
+    assert p.returncode == 0, p.stderr.decode(errors="replace")
+    plans = json.loads(p.stdout)
+    assert [d["name"] for d in plans] == ["001-a", "002-b"] and [d["tokens"] for d in plans] == [300, 20000]
+    assert plans[1]["prompt"] > plans[0]["prompt"]  # the report template wraps the brief
+    assert not (work / "batch").exists() and not (work / "a.md").exists()
+    (work / "batch").mkdir()
+    (work / "batch" / "x").write_text("")
+    p = sw("batch", jobs, "--out-dir", work / "batch", "--dry-run", env=clean_env(), cwd=work)
+    assert p.returncode == 1 and p.stderr.count(b"\n") == 1  # refused as the batch itself refuses it

@@ -158,14 +158,16 @@ QUIET = Option("quiet", bool, False, "", "Print nothing but the text.")
 NO_LIVE = Option("no_live", bool, False, "", "Plain progress lines instead of the live panel.")
 STATS_JSON = Option("stats_json", Path, None, "FILE", "Write the final statistics as JSON.")
 
+# the plan (run/runplan.py) without running it: nothing loaded past the tokenizer, nothing written
+DRY_RUN = Option("dry_run", bool, False, "", "Show what would run and why (memory, context, time) and stop.")
+JSON = Option("json", bool, False, "", "With --dry-run: the plan as JSON on standard output.")
+
 GENERATE: tuple[Option, ...] = (  # besides OPTIONS
     Option("out", Path, None, "FILE", "Write the text to this file instead of standard output."),
     Option("run_dir", Path, None, "DIR", "Run directory (default runs/<slug>-<time>)."),
     Option("config", Path, None, "FILE", "YAML file with options."),
     QUIET, NO_LIVE, STATS_JSON,
-    # the plan (run/runplan.py) without running it: nothing loaded past the tokenizer, nothing written
-    Option("dry_run", bool, False, "", "Show what would run and why (memory, context, time) and stop."),
-    Option("json", bool, False, "", "With --dry-run: the plan as JSON on standard output."),
+    DRY_RUN, JSON,
 )
 
 RESUME: tuple[Option, ...] = (
@@ -195,6 +197,7 @@ BATCH: tuple[Option, ...] = (  # besides OPTIONS, which are every document's def
            "here (local); --parallel N is then the documents at a time on each node (pip install -e '.[ray]')."),
     QUIET, NO_LIVE,
     Option("stats_json", Path, None, "FILE", "Write the batch's statistics, and each document's, as JSON."),
+    DRY_RUN, JSON,
 )
 
 BENCH: tuple[Option, ...] = (

@@ -227,13 +227,13 @@ class Display:
         tail = Text(p.tail[-240:].replace("\n", " ⏎ "), style="dim")
         return Panel(Group(bar, t, tail), title="swiftwrite", border_style="cyan")
 
-    def plan(self, rows: list[tuple[str, str, str]], title: str) -> None:
+    def plan(self, rows: list[tuple[str, str, str]], title: str, header: tuple[str, str, str] = ("what", "plan", "why")
+             ) -> None:
         """A run's plan (runplan.RunPlan.rows): what, the choice, why. Shown even with --quiet: it is what
         --dry-run was asked for (its JSON goes to stdout)."""
         t = Table(title=title, show_header=True, expand=False)
-        t.add_column("what")
-        t.add_column("plan")
-        t.add_column("why")
+        for name in header:
+            t.add_column(name)
         for what, value, why in rows:
             t.add_row(what, value, why)
         Console(file=sys.stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, width=160).print(t)

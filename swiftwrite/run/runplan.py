@@ -129,7 +129,7 @@ class RunPlan:
                        f"buffers {human_bytes(m.buffers)}, this process {human_bytes(m.process)}",
              f"{human_bytes(m.free)} free now" if m.free is not None else ""),
             ("cells on disk", human_bytes(m.cells_on_disk) if m.cells_on_disk else "none", ""),
-            ("time", _duration(self.estimate) if self.estimate is not None else "unknown", why.get("time", "")),
+            ("time", duration(self.estimate) if self.estimate is not None else "unknown", why.get("time", "")),
         ]
         return rows
 
@@ -322,7 +322,9 @@ def _contexts(window: Window, prompt: int, tokens: int) -> np.ndarray:
     return prompt + (i - start)
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "unknown"
     if seconds < 90:
         return f"~{seconds:.0f} s"
     if seconds < 5400:

@@ -26,13 +26,15 @@ from ..base.config import resolve as resolve_cfg
 from ..base.errors import UsageError, UserError
 from ..decoding.window import MIN_FREE
 from ..io.prompt import apply_template, prompt_ids
+from ..io.batchdir import BatchDir
 from ..io.rundir import RunDir
-from ..io.ui import Display
+from ..io.ui import Display, human_bytes
 from ..models.store import resolve
 from . import outline as outlines
 from . import ranks, runplan, schedule
 from .assembly import Loaded, check_device, load_weights, make_window, open_model, open_session, planning_engine
 from .inputs import Inputs, check_writable
+from .records import MODEL_OPTIONS
 from .edits import (check_continues, check_not_edited, continued_plan, plan_of, read_edited, rebuilt_text, token_finder,
                     tokens_to_add, write_round)
 from .session import open_out, plain_int, unpack_state
@@ -63,6 +65,33 @@ def show_plan(inputs: Inputs, display: Display, as_json: bool) -> int:
     display.plan(made.rows(), f"swiftwrite --dry-run: {inputs.cfg.tokens:,} tokens, nothing written")
     if as_json:
         print(json.dumps(made.to_dict(), indent=1))
+    return 0
+
+
+def show_batch_plan(jobs: list, out_dir: Path, quiet: bool, as_json: bool) -> int:
+    """batch --dry-run: each document's plan (show_plan's), one row a document on stderr, a list as JSON on stdout;
+    documents that share a model part open it once, as the batch would."""
+    BatchDir.check_new(out_dir)  # refused as the batch would refuse it
+    display, plans, opened = Display(Display.choose(quiet, True)), [], {}
+    for job in jobs:
+        heard: list[str] = []
+        cfg = job.inputs.cfg
+        asked = tuple(getattr(cfg, name) for name in MODEL_OPTIONS)
+        if asked not in opened:
+            opened[asked] = open_model(cfg, Display("quiet", heard=heard))
+        lm = opened[asked]
+        _, ids, plan = _prompt(job.inputs, lm, job.inputs.sections, job.inputs.budgets)
+        _check_ids(lm, ids)
+        plans.append(runplan.make(cfg, lm, len(ids) + (plan.pin_max if plan else 0),
+                                  notes=tuple(("opening", line) for line in heard)))
+    rows = [(job.name, f"{p.model} on {p.backend}, {p.tokens:,} tokens, context {p.context:,}",
+             f"{human_bytes(p.memory.total)}, {runplan.duration(p.estimate)}") for job, p in zip(jobs, plans)]
+    seconds = [p.estimate for p in plans]
+    total = runplan.duration(sum(seconds)) if None not in seconds else "unknown"
+    display.plan(rows, f"swiftwrite batch --dry-run: {len(jobs)} documents, one at a time {total}, nothing written",
+                 ("document", "plan", "memory, time"))
+    if as_json:
+        print(json.dumps([{"name": job.name, **p.to_dict()} for job, p in zip(jobs, plans)], indent=1))
     return 0
 
 
