@@ -209,12 +209,12 @@ def resume(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="The run 
         m.ranks.check_world(world, device)
         raise typer.Exit(m.ranks.launch(world, sys.argv[1:]))
     raise typer.Exit(m.writer.resume(run_dir, o.tokens, o.out, o.force, o.quiet, o.no_live, o.stats_json, world,
-                                     o.edited, o.threads))
+                                     o.edited, o.threads, memory=o.memory))
 
 
 def _resume_batch(out_dir: Path, o: SimpleNamespace) -> None:
     """`resume DIR` on a batch's directory: every document that has not ended, each with its own settings."""
-    for name in ("tokens", "out", "tp", "threads", "edited", "force"):
+    for name in ("tokens", "out", "tp", "threads", "edited", "force", "memory"):
         if getattr(o, name) not in (None, False):
             raise UsageError(f"{config_mod.flag(name)} applies to one run; {out_dir} is a batch: resume one of its "
                              f"documents with `swiftwrite resume {out_dir}/runs/NAME {config_mod.flag(name)} ...`.")

@@ -35,6 +35,7 @@ WEIGHTS = ("auto", "float", "int8", "int4")
 # which forward runs the model: torch (ours), ggml (llama.cpp's kernels on a GGUF, ggmlmodel.py), auto (measured
 # once per model and machine, backends.py)
 BACKENDS = ("auto", "torch", "ggml", "ggml-repacked")
+RECALLS = ("names", "none")  # memory.RECALL, repeated so that reading options stays light
 MIN_LOOP = 16  # shortest --stop-on-loop: the loop tracker's floor (repetition.Repeats min_len of the alarm)
 MAX_SECTIONS = 200  # outline.MAX_SECTIONS, repeated so that reading options stays light
 MAX_TOKENS = 10_000_000  # far past any model's usefulness; catches a typo'd extra zero or two
@@ -100,6 +101,8 @@ class Config:
         need(0 <= self.sections <= MAX_SECTIONS, "sections", f"must be 0 (chosen from --tokens) or 1 to {MAX_SECTIONS}")
         need(self.sections == 0 or self.plan or self.plan_only, "sections",
              "only applies with --plan (an outline file says its own sections); add --plan or drop --sections")
+        need(self.recall in RECALLS, "recall", f"must be one of {', '.join(RECALLS)}")
+        need(self.lore_budget >= 16, "lore_budget", "must be at least 16 tokens")
         need(all(isinstance(p, str) and p.strip() for p in self.ban), "ban",
              "has an empty phrase; every banned phrase needs a visible character")
         need(not ((self.ban or self.ban_file) and (self.outline or self.plan or self.plan_only)), "ban",
@@ -136,7 +139,7 @@ class Config:
 FIELDS = {f.name: f for f in fields(Config)}
 
 # What a run directory saved before an option existed meant: a resumed run keeps writing the text it started.
-LEGACY = {"dry_multiplier": 0.0, "stop_on_loop": 0, "weights": "float", "backend": "torch"}
+LEGACY = {"dry_multiplier": 0.0, "stop_on_loop": 0, "weights": "float", "backend": "torch", "recall": "none"}
 
 _ESCAPES = {"n": "\n", "t": "\t", ",": ",", "\\": "\\"}
 

@@ -136,6 +136,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("plan_only", bool, False, "", "Write the planned outline and stop (edit it, pass it to --outline)."),
     # --plan: how many sections; 0 = one per 2,000 tokens of --tokens, 3 to 50
     Option("sections", int, 0, "N", "--plan: sections to plan (default: one per 2,000 tokens, 3 to 50)."),
+    # past the window (run/memory.py): a block between the prompt and the recent text at every rebuild, and only
+    # there, so a run that never passes its window writes what it always did. Read once at `generate`; the run
+    # directory keeps each version with the token it took effect at (resume --memory adds one). "" = none
+    Option("memory", str, "", "FILE", "Markdown notes the model keeps seeing past its window (the cast, the setting); "
+           "resume --memory FILE takes an edited one from the next rebuild on."),
+    # the text's own names: used >= 3 times outside the brief, most used first, each with the sentence that
+    # introduced it, within a budget of 1/6 of the positions left (at most 192 tokens). Runs saved before it: none
+    Option("recall", str, "names", "WHAT", "names (default): past the window, recall the people and places the text "
+           "established; none = off."),
+    # '## Name {keys: a, b}' entries; those whose keys the kept text names are pinned, most recently named first
+    Option("lore", str, "", "FILE", "Markdown entries '## Name {keys: a, b}' shown past the window while the kept "
+           "text names a key."),
+    Option("lore_budget", int, 256, "N", "Tokens of lore entries at most (default 256)."),
     # banned phrases (bans.py): the text never contains one; where it would complete one, decoding goes back to where
     # it began and chooses again without that token. Matched in any case, after a space or not. Stored with the run
     # (the phrases of --ban-file included), so `resume` keeps enforcing them
@@ -183,6 +196,8 @@ RESUME: tuple[Option, ...] = (
     QUIET, NO_LIVE, STATS_JSON,
     Option("edited", Path, None, "FILE", "Continue from this edited document in a new round; --tokens N then adds N "
            "tokens, appended to FILE (or --out)."),
+    # the run's memory file edited: a new version, in effect from the next rebuild on (run/memory.py)
+    Option("memory", Path, None, "FILE", "An edited memory: the model sees it from the next context rebuild on."),
     Option("ray", str, None, "ADDRESS", "A batch's directory only: continue it on the Ray cluster at ADDRESS, or on "
            "one started here (local), as batch --ray does."),
 )

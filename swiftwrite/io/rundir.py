@@ -25,7 +25,7 @@ import yaml
 from ..base.durable import atomic_write, fsync_dir, json_bytes, lock, now, os_reason, pack_ids, sha256, unpack_ids
 from ..base.errors import UserError
 from . import rounds
-from .runfiles import (CONFIG, FORMAT, LOCK, META, OUTLINE, OUTLINE_MD, PREV, PROGRESS, PROMPT, STAGING_PREFIX,
+from .runfiles import (CONFIG, FORMAT, LOCK, MEMORY, META, OUTLINE, OUTLINE_MD, PREV, PROGRESS, PROMPT, STAGING_PREFIX,
                        STATE, TEXT, TOKENS, drafter_file, read_drafter, read_state, state_record, sweep_drafters,
                        sweep_staging)
 
@@ -66,15 +66,18 @@ class RunDir:
 
     @classmethod
     def create(cls, path, config: dict, prompt_text: str, prompt_ids: list[int], fingerprint: str,
-               outline: dict | None = None, outline_md: str = "") -> RunDir:
+               outline: dict | None = None, outline_md: str = "", memory: dict | None = None) -> RunDir:
+        """`memory`: memory.json's record (run/memory.py), None without a memory or lore file."""
         p = Path(path)
         cls.check_new(p)
         # Serialize first, so a bad config fails before anything touches the disk.
         files = {CONFIG: yaml.safe_dump(config, sort_keys=False).encode(), PROMPT: prompt_text.encode(),
-                 META: json_bytes({"format": 2 if outline else 1, "fingerprint": fingerprint,
+                 META: json_bytes({"format": 3 if memory else 2 if outline else 1, "fingerprint": fingerprint,
                               "prompt_ids": list(prompt_ids), "created": now()})}
         if outline:
             files[OUTLINE], files[OUTLINE_MD] = json_bytes(outline), outline_md.encode()
+        if memory:
+            files[MEMORY] = json_bytes(memory)
         final = p.resolve()
         stage = final.parent / f"{STAGING_PREFIX}{final.name}.{os.getpid()}"
         self = None
@@ -85,7 +88,7 @@ class RunDir:
             self = cls(stage, lock(stage, LOCK))
             self.config, self.prompt_text = config, prompt_text
             self.prompt_ids, self.fingerprint = list(prompt_ids), fingerprint
-            self.outline = outline
+            self.outline, self.memory = outline, memory
             self.tokens, self.finished, self.round = [], False, 1
             self._tok_hash, self._text_hash, self._text_bytes = hashlib.sha256(), hashlib.sha256(), 0
             self._state = self._new_state({}, None, False, count=0)
@@ -167,9 +170,14 @@ class RunDir:
             if not isinstance(self.config, dict):
                 raise ValueError(f"{CONFIG} is not a mapping")
             self.prompt_text = (p / PROMPT).read_text(encoding="utf-8")
-            self.outline = json.loads((p / OUTLINE).read_text()) if meta.get("format", 1) >= 2 else None
+            fmt = meta.get("format", 1)  # 3: memory.json, and outline.json where the run has an outline
+            self.outline = json.loads((p / OUTLINE).read_text()) if fmt == 2 or (fmt >= 3 and (p / OUTLINE).exists()) \
+                else None
             if self.outline is not None and not isinstance(self.outline, dict):
                 raise ValueError(f"{OUTLINE} is not a JSON object")
+            self.memory = json.loads((p / MEMORY).read_text()) if fmt >= 3 else None
+            if self.memory is not None and not isinstance(self.memory, dict):
+                raise ValueError(f"{MEMORY} is not a JSON object")
         except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError) as e:
             raise UserError(f"the run metadata in {p} is unreadable ({e}); "
                             "the run cannot be resumed, start a new one.") from e
@@ -327,6 +335,16 @@ class RunDir:
             fh.close()
         self._tokens_fh = self._text_fh = None
         self._load()  # rolls forward to round n
+
+    def add_memory(self, version: dict) -> None:
+        """A new version of the memory ({"from": output index, "text", "ids"}), in effect from the first rebuild at or
+        after its index: memory.json replaced atomically, so a kill leaves the old record or the new one."""
+        memory = {**self.memory, "versions": [*self.memory["versions"], version]}
+        try:
+            atomic_write(self.path / MEMORY, json_bytes(memory))
+        except OSError as e:
+            raise self._write_error(e) from e
+        self.memory = memory
 
     def log_progress(self, record: dict) -> None:
         """One JSON line per checkpoint in progress.jsonl, for whoever watches a long run. Best effort: the

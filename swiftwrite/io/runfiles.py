@@ -6,6 +6,8 @@
     outline.json      the section plan (--outline/--plan) written once; budgets, heading and pinned ids (a later
                       round's own plan, rounds/<n>/outline.json, takes its place from that round on)
     outline.md        the same outline as Markdown       written once, for people (and --outline again)
+    memory.json       --memory / --lore (run/memory.py)  the memory's versions, each with the output index it took
+                      as token ids                       effect at (resume --memory appends one), and the lore entries
     tokens.bin        generated ids, int32 little-endian appended as they come
     output.txt        the decoded text, utf-8            appended as it comes
     drafter-<sha>.bin opaque drafter state (optional)    one per checkpoint; the last two are kept
@@ -31,10 +33,12 @@ from pathlib import Path
 
 from ..base.durable import alive, now, sha256
 
-FORMAT = 2  # meta.json "format"; bump when the layout changes, keep reading older ones
+FORMAT = 3  # meta.json "format"; bump when the layout changes, keep reading older ones
 # Runs with an outline are written as format 2, so a swiftwrite that knows no outlines refuses them instead of
-# continuing without headings; runs without one stay format 1, readable by every version.
+# continuing without headings; runs with a memory or lore file as format 3, for the same reason; runs with neither
+# stay format 1, readable by every version.
 CONFIG, PROMPT, META, OUTLINE, OUTLINE_MD = "config.yaml", "prompt.txt", "meta.json", "outline.json", "outline.md"
+MEMORY = "memory.json"
 TOKENS, TEXT, DRAFTER = "tokens.bin", "output.txt", "drafter.bin"  # DRAFTER: the name before format 1.1
 STATE, PREV, LOCK, PROGRESS = "state.json", "state.prev.json", "lock", "progress.jsonl"
 STAGING_PREFIX = ".swiftwrite-new-"  # + name + "." + pid: a run directory being created

@@ -42,7 +42,7 @@ from ..models.modelfiles import check_gguf_header, load_tokenizer, model_config
 from ..models.parallel import check_divides
 from ..models.store import ModelRef, resolve, source_weights
 from ..tensors.exact import check
-from . import ranks, runplan, schedule
+from . import memory, ranks, runplan, schedule
 from .devices import attention_notes, fit_dtype, free_memory, pick_device, pick_weights, quantized_option, weight_bytes
 from .records import Loaded, Resolved
 from .session import Limits, Session
@@ -346,10 +346,12 @@ def fit_budget(engine: "Engine", lm: Loaded, upto: int | None = None) -> None:
 # A document's session, and the planning engine
 
 
-def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan | None, display: Display) -> Session:
-    """The window over the model's positions, the weights, the engine and the outline's schedule, for a document
-    whose prompt is `prompt_len` tokens: the same for a new run and a resumed one."""
-    run_plan = runplan.make(cfg, lm, prompt_len + (plan.pin_max if plan else 0))
+def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan | None, display: Display,
+                 kept: dict | None = None, prompt_text: str = "") -> Session:
+    """The window over the model's positions, the weights, the engine, the outline's schedule and the notes kept past
+    the window (`kept`: the run's memory.json record, memory.py), for a document whose prompt is `prompt_len` tokens
+    (`prompt_text`: its text): the same for a new run and a resumed one."""
+    run_plan, notes = plan_with_notes(cfg, lm, prompt_len, plan, kept, prompt_text)
     if (note := dict(run_plan.notes).get("context")) is not None:
         display.info(note if note.startswith("--context") else f"context: {note}")
     window = Window(run_plan.context, run_plan.prompt)
@@ -359,7 +361,11 @@ def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan |
     sched = None
     if plan:
         sched = schedule.Schedule(plan, schedule.ender_ids(lm.tok, lm.mcfg.vocab_size))
-        engine.pin_context(prompt_len, sched.pin_at)
+    if notes is not None:
+        notes.recent = window.recent
+    if plan or notes is not None:
+        engine.pin_context(prompt_len, memory.pinned(notes, sched.pin_at if sched else None,
+                                                     lambda: engine.S[prompt_len:].numpy()))
     # what a resume must run again: `auto` resolved (the dtype memory allowed, the backend timed here, the ranks'
     # thread share), as the run directory records it
     # (and the context the free memory allowed where it is less than the model's window: a resume must rebuild
@@ -375,7 +381,25 @@ def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan |
                         budget=str(engine.budget) if engine.budget is not None else "auto" if engine.sources else "none",
                         drafting_off=why, bans=len(engine.bans.phrases) if engine.bans else 0)
     limits = Limits(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Limits)})  # as asked, not resolved
-    return Session(settings, limits, lm, engine, sched, display, resolved, curves_for(lm), plan=run_plan)
+    return Session(settings, limits, lm, engine, sched, display, resolved, curves_for(lm), plan=run_plan, notes=notes)
+
+
+def plan_with_notes(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan | None, kept: dict | None,
+                    prompt_text: str) -> tuple[runplan.RunPlan, memory.Notes | None]:
+    """The run's plan (runplan.make) with the positions its notes reserve in its prompt, and the notes (None: none,
+    or a run that never passes its window)."""
+    base = prompt_len + (plan.pin_max if plan else 0)
+    made = runplan.make(cfg, lm, base)
+    notes = memory.for_run(kept, cfg.recall, cfg.lore_budget, made.context, base, prompt_len, cfg.tokens, lm.tok,
+                           prompt_text, plan is not None)
+    if notes is None:
+        return made, None
+    parts = [f"memory {notes.memory_reserve}"] if notes.memory_reserve else []
+    parts += [f"names {notes.recall}"] if notes.recall else []
+    parts += [f"lore {notes.lore_budget}"] if notes.lore_budget else []
+    why = (f"{notes.reserve} positions kept for the notes pinned at each rebuild ({', '.join(parts)} tokens, and their "
+           "frame), taken from the recent text the window keeps")
+    return dataclasses.replace(made, prompt=base + notes.reserve, notes=(*made.notes, ("notes", why))), notes
 
 
 def planning_engine(cfg: Config, lm: Loaded, prompt_len: int, context: int, capacity: int) -> Engine:

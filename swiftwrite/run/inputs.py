@@ -25,6 +25,7 @@ from ..decoding.bans import read_ban_file
 from ..io.prompt import read_prompt, read_source
 from ..io.batchdir import BatchDir
 from ..io.rundir import RunDir
+from . import memory as memories
 from . import outline as outlines
 
 MAX_JOBS_BYTES = 256 << 20
@@ -43,21 +44,26 @@ class Inputs:
     run_dir: Path  # not yet created (--plan-only writes none)
     out: Path | None
     stats_json: Path | None
+    memory: str | None = None  # the --memory file's text, as read
+    lore: list[memories.LoreEntry] | None = None  # the --lore file's entries
 
     def record(self) -> dict:
         """What a batch keeps of a document's input (batchdir.py, jobs/NAME.json), JSON-safe: its files' texts as read,
         so a resume writes what the jobs file asked for even where those files have changed since."""
         return {"config": self.cfg.to_dict(), "brief": self.brief, "source": self.source,
                 "sections": [dataclasses.asdict(s) for s in self.sections] if self.sections is not None else None,
-                "budgets": self.budgets}
+                "budgets": self.budgets, "memory": self.memory,
+                "lore": [dataclasses.asdict(e) for e in self.lore] if self.lore is not None else None}
 
     @classmethod
     def from_record(cls, record: dict, run_dir: Path, out: Path, stats_json: Path | None) -> "Inputs":
         try:
             cfg = resolve(None, {}, environ={}, base=record["config"])
             sections = [outlines.Section(**s) for s in record["sections"]] if record["sections"] is not None else None
+            lore = [memories.LoreEntry(e["name"], tuple(e["keys"]), e["text"]) for e in record["lore"]] \
+                if record.get("lore") is not None else None
             return cls(cfg, str(record["brief"]), record["source"], sections, record["budgets"], run_dir, out,
-                       stats_json)
+                       stats_json, record.get("memory"), lore)
         except (KeyError, TypeError, UsageError) as e:
             raise UserError(f"the job record of {run_dir.name} is damaged ({e}); write that document again with a "
                             "batch of its own.") from None
@@ -68,12 +74,19 @@ def read(cfg: Config, prompt_source: str, run_dir: Path | None, out: Path | None
     paths: each checked before anything else."""
     brief = read_prompt(prompt_source)
     cfg, source, sections, budgets = _materials(cfg)
+    memory, lore = _notes(cfg)
     check_writable(out, "--out")
     check_writable(stats_json, "--stats-json")
     path = run_dir if run_dir is not None else default_run_dir(brief)
     if not cfg.plan_only:  # --plan-only writes the outline and no run
         RunDir.check_new(path)
-    return Inputs(cfg, brief, source, sections, budgets, path, out, stats_json)
+    return Inputs(cfg, brief, source, sections, budgets, path, out, stats_json, memory, lore)
+
+
+def _notes(cfg: Config) -> tuple[str | None, list | None]:
+    """The --memory file's text and the --lore file's entries, read once (the run directory keeps them)."""
+    return (memories.read_memory(cfg.memory) if cfg.memory else None,
+            memories.read_lore(cfg.lore) if cfg.lore else None)
 
 
 def _materials(cfg: Config) -> tuple[Config, str | None, list | None, list[int] | None]:
@@ -106,7 +119,7 @@ JOBS = Kind("jobs file", "give a JSONL file: one JSON object a line, with \"prom
 # the batch's own options (cli.batch): set once for every document, never on a line
 BATCH_ONLY = ("run_dir", "config", "quiet", "no_live", "stats_json", "out_dir")
 # a value on a line that is a path is read from the jobs file's folder, as `prompt` and `out` are
-LINE_PATHS = ("source", "outline", "ban_file")
+LINE_PATHS = ("source", "outline", "ban_file", "memory", "lore")
 
 
 @dataclass(frozen=True)
@@ -185,9 +198,10 @@ def _job(obj: dict, where: str, base: Path, config_file: Path | None, flags: dic
                          "--plan-only`, then give it as \"outline\".")
     brief = read_prompt(str(base / prompt)) if _names_a_file(prompt) else prompt
     cfg, source, sections, budgets = _materials(cfg)
+    memory, lore = _notes(cfg)
     out_path = base / Path(out).expanduser()
     check_writable(out_path, "\"out\"")
-    return Inputs(cfg, brief, source, sections, budgets, out_path, out_path, None)
+    return Inputs(cfg, brief, source, sections, budgets, out_path, out_path, None, memory, lore)
 
 
 def _names_a_file(prompt: str) -> bool:

@@ -76,7 +76,7 @@ class RunPlan:
     tp: int
     window: int  # the model's positions
     context: int  # the positions the run attends to
-    prompt: int  # tokens of prompt (with an outline, its longest pinned section note)
+    prompt: int  # tokens of prompt (with an outline, its longest pinned section note; with notes, their reserve)
     tokens: int  # tokens to write
     drafting: tuple[str, ...]  # the sources asked for; start-up probes may still turn them off (said then)
     budget: str
@@ -124,6 +124,7 @@ class RunPlan:
             ("drafting", ", ".join(self.drafting) or "none", why.get("drafting", "")),
             ("budget", self.budget, ""),
             ("banned phrases", str(self.bans), ""),
+            ("notes past the window", "pinned at each rebuild" if "notes" in why else "none", why.get("notes", "")),
             ("sampling", ", ".join(f"{k} {v}" for k, v in self.sampler.items()), ""),
             ("memory", f"{human_bytes(m.total)}: weights {human_bytes(m.weights)}, KV cache {human_bytes(m.kv)}, "
                        f"buffers {human_bytes(m.buffers)}, this process {human_bytes(m.process)}",

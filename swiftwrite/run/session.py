@@ -31,7 +31,7 @@ from ..io.rundir import RunDir
 from ..io.ui import QUALITY_WINDOW, WORDS_WINDOW, Display, Progress
 from ..models import threads
 from ..models.backends import cpu_extensions
-from . import runplan, schedule
+from . import memory, runplan, schedule
 from .interrupts import Interrupt, interrupted_before_the_loop, lost, resume_command, until_a_rank_is_lost
 from .records import Loaded, Resolved
 from .runstats import RunStats, plain_int, write_stats_json
@@ -105,6 +105,7 @@ class Session:
     cells_saved: tuple = ((0, 0), 0)  # the context span they belong to, and the end of the last stretch saved
     plan: runplan.RunPlan | None = None  # what the run was planned to be (the estimate; its costs are kept for the next)
     prefill: tuple[float, int] = (0.0, 0)  # a new run's prefill: seconds, tokens
+    notes: memory.Notes | None = None  # pinned past the window (memory.py): the stats show the lore entries in
 
     def start(self, rd: RunDir, ids: list[int]) -> None:
         """Prefill `ids` (prompt and the tokens written so far), putting back the cells a checkpoint saved where they
@@ -188,10 +189,22 @@ class Session:
             **({"resolved": self.resolved.to_dict()} if self.resolved else {}),
             # a run continued from an edited text (rounds.py): its round, and the token where the edit began
             **({"round": rd.round, "edit_at": (rd.stats or {}).get("edit_at")} if rd.round > 1 else {}),
+            **({"notes": self.notes_now()} if self.notes is not None else {}),
             # where each section's heading starts (output token index): resume checks its replay against it
             **({"sections": {"count": len(sched.plan.sections), "starts": list(sched.starts)},
                 "forced_tokens": st.forced} if sched else {}),
         }
+
+    def notes_now(self) -> dict:
+        """The notes in the context now: their reserve, and the lore entries pinned at the last rebuild."""
+        engine, notes = self.engine, self.notes
+        s, _ = engine.span
+        lore: list[str] = []
+        if s != engine.window.prompt and notes.lore:
+            r = s + engine.window.recent - engine.prompt_len
+            lore = notes.lore_in(r, engine.S[engine.prompt_len:].numpy())
+        return {"reserve": notes.reserve, "recall_budget": notes.recall, "lore_budget": notes.lore_budget,
+                "memory_versions": len(notes.versions), "lore_in": lore}
 
     def log_line(self, st: RunStats, rd: RunDir) -> dict:
         return {"time": round(st.last_checkpoint, 3), "pid": os.getpid(), "total_tokens": st.done, "tokens": st.made,

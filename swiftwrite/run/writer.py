@@ -30,9 +30,11 @@ from ..io.batchdir import BatchDir
 from ..io.rundir import RunDir
 from ..io.ui import Display, human_bytes
 from ..models.store import resolve
+from . import memory as memories
 from . import outline as outlines
 from . import ranks, runplan, schedule
-from .assembly import Loaded, check_device, load_weights, make_window, open_model, open_session, planning_engine
+from .assembly import (Loaded, check_device, load_weights, make_window, open_model, open_session, plan_with_notes,
+                       planning_engine)
 from .inputs import Inputs, check_writable
 from .records import MODEL_OPTIONS
 from .edits import (check_continues, check_not_edited, continued_plan, plan_of, read_edited, rebuilt_text, token_finder,
@@ -60,8 +62,7 @@ def show_plan(inputs: Inputs, display: Display, as_json: bool) -> int:
     lm = open_model(inputs.cfg, Display("quiet", heard=heard))  # what opening decided goes into the plan's notes
     text, ids, plan = _prompt(inputs, lm, inputs.sections, inputs.budgets)
     _check_ids(lm, ids)
-    made = runplan.make(inputs.cfg, lm, len(ids) + (plan.pin_max if plan else 0),
-                        notes=tuple(("opening", line) for line in heard))
+    made = _plan_of(inputs, lm, text, ids, plan, heard)
     display.plan(made.rows(), f"swiftwrite --dry-run: {inputs.cfg.tokens:,} tokens, nothing written")
     if as_json:
         print(json.dumps(made.to_dict(), indent=1))
@@ -80,10 +81,9 @@ def show_batch_plan(jobs: list, out_dir: Path, quiet: bool, as_json: bool) -> in
         if asked not in opened:
             opened[asked] = open_model(cfg, Display("quiet", heard=heard))
         lm = opened[asked]
-        _, ids, plan = _prompt(job.inputs, lm, job.inputs.sections, job.inputs.budgets)
+        text, ids, plan = _prompt(job.inputs, lm, job.inputs.sections, job.inputs.budgets)
         _check_ids(lm, ids)
-        plans.append(runplan.make(cfg, lm, len(ids) + (plan.pin_max if plan else 0),
-                                  notes=tuple(("opening", line) for line in heard)))
+        plans.append(_plan_of(job.inputs, lm, text, ids, plan, heard))
     rows = [(job.name, f"{p.model} on {p.backend}, {p.tokens:,} tokens, context {p.context:,}",
              f"{human_bytes(p.memory.total)}, {runplan.duration(p.estimate)}") for job, p in zip(jobs, plans)]
     seconds = [p.estimate for p in plans]
@@ -93,6 +93,17 @@ def show_batch_plan(jobs: list, out_dir: Path, quiet: bool, as_json: bool) -> in
     if as_json:
         print(json.dumps([{"name": job.name, **p.to_dict()} for job, p in zip(jobs, plans)], indent=1))
     return 0
+
+
+def _plan_of(inputs: Inputs, lm: Loaded, text: str, ids: list[int], plan, heard: list[str]) -> runplan.RunPlan:
+    """--dry-run's plan of a document: the run's own (with the positions its notes keep), what opening said first."""
+    made, _ = plan_with_notes(inputs.cfg, lm, len(ids), plan, _kept(inputs, lm), text)
+    return dataclasses.replace(made, notes=(*(("opening", line) for line in heard), *made.notes))
+
+
+def _kept(inputs: Inputs, lm: Loaded) -> dict | None:
+    """memory.json's record for a new run of `inputs` (None: no memory or lore file)."""
+    return memories.record(inputs.memory, inputs.lore, lambda t: lm.tok(t, add_special_tokens=False)["input_ids"])
 
 
 def _prompt(inputs: Inputs, lm: Loaded, sections, budgets) -> tuple[str, list[int], schedule.Plan | None]:
@@ -118,13 +129,14 @@ def write_new(inputs: Inputs, lm: Loaded, display: Display) -> int:
         budgets = outlines.allocate(sections, cfg.tokens, "the planned outline")
     text, ids, plan = _prompt(inputs, lm, sections, budgets)
     _check_ids(lm, ids)
-    session = open_session(cfg, lm, len(ids), plan, display)
+    kept = _kept(inputs, lm)
+    session = open_session(cfg, lm, len(ids), plan, display, kept, text)
     out = open_out(out_path)
     try:
         # The run records the settings it really uses (session.settings): `auto` may have become bfloat16 for lack of
         # memory, the faster backend here, and a resume must not pick others when memory or the machine differ then.
         rd = RunDir.create(path, session.settings, text, ids, lm.ref.fingerprint, outline=plan.to_json() if plan else None,
-                           outline_md=outlines.render(sections, budgets) if plan else "")
+                           outline_md=outlines.render(sections, budgets) if plan else "", memory=kept)
         try:
             ranks.report_run_dir(rd.path)
             display.info(f"run directory: {rd.path}")
@@ -184,11 +196,14 @@ def _resume_config(rd: RunDir, tokens: int | None, tp: int, threads: int | None 
 
 
 def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool, quiet: bool, no_live: bool,
-           stats_json: Path | None, tp: int = 1, edited: Path | None = None, threads: int | None = None) -> int:
+           stats_json: Path | None, tp: int = 1, edited: Path | None = None, threads: int | None = None,
+           memory: Path | None = None) -> int:
     """`tp`: the tensor-parallel ranks it runs on (cli.resume checked it against the run's, or was --force).
     `edited`: continue from this file's text in a new round (rounds.py); --tokens then counts the tokens added.
-    `threads`: --threads for this resume (None: the run's own)."""
+    `threads`: --threads for this resume (None: the run's own). `memory`: an edited memory, in effect from the next
+    rebuild on."""
     display = Display(Display.choose(quiet, no_live))
+    new_memory = memories.read_memory(str(memory)) if memory is not None else None
     check_writable(out_path, "--out")
     check_writable(stats_json, "--stats-json")
     new_text = read_edited(edited) if edited is not None else None
@@ -197,8 +212,12 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
     rd = RunDir.open(run_dir)
     try:
         cfg = _opened_run(rd, tokens, out_path, tp, edited, new_text, display, threads)
+        if new_memory is not None and not (rd.memory or {}).get("versions"):
+            raise UserError(f"{rd.path} was started without --memory, so its window keeps no room for one; start a "
+                            "new run with --memory FILE.")
         if new_text is not None:
-            return _continue_edited(cfg, rd, edited, new_text, tokens, out_path, force, display, stats_json)
+            return _continue_edited(cfg, rd, edited, new_text, tokens, out_path, force, display, stats_json,
+                                    new_memory)
         if tokens is not None and tokens < len(rd.tokens):
             raise UsageError(f"--tokens {tokens} is less than the {len(rd.tokens)} tokens already written; give a larger target.")
         complete = len(rd.tokens) >= cfg.tokens
@@ -206,7 +225,7 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
         if complete:
             display.info(f"{run_dir} is already complete ({len(rd.tokens)} tokens); pass --tokens N to write more.")
             return _copy_finished(rd, out_path)
-        return _continue(cfg, lm, rd, out_path, stats_json, display)
+        return _continue(cfg, lm, rd, out_path, stats_json, display, new_memory)
     finally:
         rd.close()
 
@@ -284,9 +303,15 @@ def _copy_finished(rd: RunDir, out_path: Path | None) -> int:
 
 
 def _continue(cfg: Config, lm: Loaded, rd: RunDir, out_path: Path | None, stats_json: Path | None,
-              display: Display) -> int:
-    """The session of a resumed run: its outline replayed to where the tokens are, its drafters' state, the rest."""
-    session = open_session(cfg, lm, len(rd.prompt_ids), plan_of(rd), display)
+              display: Display, new_memory: str | None = None) -> int:
+    """The session of a resumed run: its outline replayed to where the tokens are, its drafters' state, the rest.
+    `new_memory`: an edited memory's text (resume --memory), recorded once the session is open."""
+    version = _memory_version(rd, lm, new_memory, len(rd.tokens))
+    kept = {**rd.memory, "versions": [*rd.memory["versions"], version]} if version else rd.memory
+    session = open_session(cfg, lm, len(rd.prompt_ids), plan_of(rd), display, kept, rd.prompt_text)
+    if version:
+        rd.add_memory(version)
+        display.info(f"memory: the edited one is in the context from the next rebuild after token {version['from']} on")
     if session.sched:
         try:
             session.sched.replay(rd.tokens)
@@ -314,8 +339,23 @@ def _continue(cfg: Config, lm: Loaded, rd: RunDir, out_path: Path | None, stats_
         _close(out)
 
 
+def _memory_version(rd: RunDir, lm: Loaded, text: str | None, at: int) -> dict | None:
+    """resume --memory: the new version of the run's memory, in effect from output index `at` (None: none given, or
+    the one in effect already). One sentence where it does not fit the room the run keeps for it."""
+    if text is None:
+        return None
+    ids = memories.memory_ids(text, lambda t: lm.tok(t, add_special_tokens=False)["input_ids"])
+    if ids == rd.memory["versions"][-1]["ids"]:
+        return None
+    room = int(rd.memory["reserve"])
+    if len(ids) > room:
+        raise UserError(f"the edited memory is {len(ids)} tokens, {len(ids) - room} more than the {room} the run "
+                        f"keeps for it; shorten it to continue {rd.path}.")
+    return {"from": at, "text": text, "ids": ids}
+
+
 def _continue_edited(cfg: Config, rd: RunDir, edited: Path, text: str, more: int | None, out_path: Path | None,
-                     force: bool, display: Display, stats_json: Path | None) -> int:
+                     force: bool, display: Display, stats_json: Path | None, new_memory: str | None = None) -> int:
     """resume --edited: a new round from the edited document's `text` (edits.py has its rules); `more`: --tokens."""
     more = tokens_to_add(rd, cfg.tokens, more, edited)
     plan = plan_of(rd)
@@ -324,8 +364,12 @@ def _continue_edited(cfg: Config, rd: RunDir, edited: Path, text: str, more: int
     _check_ids(lm, ids)
     if plan is not None:
         plan = continued_plan(plan, text, ids, token_finder(lm.tok, ids), more, f"{rd.path / 'outline.md'}")
+    version = _memory_version(rd, lm, new_memory, len(ids))
+    kept = {**rd.memory, "versions": [*rd.memory["versions"], version]} if version else rd.memory
     session = open_session(dataclasses.replace(cfg, tokens=len(ids) + more).validate(), lm, len(rd.prompt_ids), plan,
-                           display)
+                           display, kept, rd.prompt_text)
+    if version:
+        rd.add_memory(version)
     return write_round(session, rd, edited, text, ids, plan, out_path, display, stats_json)
 
 
