@@ -69,7 +69,7 @@ def one_torch_thread():
 # through another fixture) or starts processes: whole modules that drive the command line or spawn ranks, and
 # the few tests elsewhere that start a process of their own.
 SLOW_MODULES = {"test_cli", "test_batch_cli", "test_cli_ggml", "test_outline_cli", "test_tp_cli", "test_kill_sweep", "test_gpu_check",
-                "test_bad_input", "test_packaging", "test_rounds_cli"}
+                "test_bad_input", "test_packaging", "test_rounds_cli", "test_memory_cli"}
 SLOW_TESTS = {
     "test_the_cli_writes_with_a_fallback_model_and_says_so",  # test_hfmodel: the CLI in a subprocess
     "test_the_kernel_compiles_to_gpu_code_for_ampere_and_hopper",  # test_kernels: Triton's compiler in a subprocess

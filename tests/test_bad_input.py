@@ -135,6 +135,22 @@ CASES = [
     ("sections-without-plan", [*GEN, "--sections", "3"], 2, None),
     ("sections-negative", [*GEN, "--plan", "--sections", "-1"], 2, None),
     ("sections-too-many-for-tokens", [*GEN, "--plan", "--sections", "9"], 2, None),
+    # memory and lore (run/memory.py): files refused before the model is opened, room against the context after
+    ("memory-missing", [*GEN, "--memory", "{tmp}/no-such-memory.md"], 1, None),
+    ("memory-empty", [*GEN, "--memory", "{blank}"], 1, None),
+    ("memory-binary", [*GEN, "--memory", "{binary}"], 1, None),
+    ("lore-missing", [*GEN, "--lore", "{tmp}/no-such-lore.md"], 1, None),
+    ("lore-empty", [*GEN, "--lore", "{empty}"], 1, None),
+    ("lore-binary", [*GEN, "--lore", "{binary}"], 1, None),
+    ("lore-without-keys", [*GEN, "--lore", "{lore_nokeys}"], 1, None),
+    ("lore-key-longer-than-the-context [loads tokenizer]", [*GEN[:-2], "--tokens", "400", "--context", "128",
+                                                            "--lore", "{lore_longkey}"], 1, None),
+    ("memory-and-brief-past-the-context [loads tokenizer]", [*GEN[:-2], "--tokens", "400", "--context", "160",
+                                                             "--memory", "{memory_long}"], 1, None),
+    ("recall-unknown", [*GEN, "--recall", "everything"], 2, None),
+    ("lore-budget-under-16", [*GEN, "--lore-budget", "4"], 2, None),
+    ("resume-memory-on-a-run-without-one", ["resume", "{good_run}", "--tokens", "8", "--memory", "{prompt}"], 1, None),
+    ("resume-memory-on-a-batch", ["resume", "{batch_like}", "--memory", "{prompt}"], 2, None),
     # outputs and run directories
     ("out-into-missing-dir", [*GEN, "--out", "{tmp}/no/such/dir/out.txt"], 1, None),
     ("out-is-a-directory", [*GEN, "--out", "{tmp}"], 1, None),
@@ -205,6 +221,12 @@ def world(tmp_path_factory, default_model_dir) -> dict[str, Path]:
     file("outline_negative.md", b"## The storm {tokens: -50}\n## The bottle\n")
     file("outline_ok.md", b"## The storm\n## The bottle\n")
     file("yaml_outline.yaml", f"outline: {t / 'outline_none.md'}\n".encode())
+    file("lore_nokeys.md", b"## Mara\nThe keeper.\n")
+    file("lore_longkey.md", ("## Mara {keys: " + "lighthouse keeper " * 80 + "}\nThe keeper.\n").encode())
+    file("memory_long.md", b"The keeper Mara keeps the light on the island; her brother drowned. " * 12)
+    (t / "batch_like").mkdir()
+    (t / "batch_like" / "manifest.json").write_text("{}")
+    w["batch_like"] = t / "batch_like"
 
     def model_dir(name, files: dict[str, bytes]) -> Path:
         d = t / name

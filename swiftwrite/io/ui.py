@@ -42,6 +42,7 @@ class Progress:
     section: tuple | None = None  # outline runs: (k, N, title, tokens written in it, its budget)
     round: int = 1  # rounds of writing: 2 and up after `resume --edited` (rounds.py)
     backtracks: int | None = None  # banned phrases: times decoding went back (None: no phrase banned)
+    lore: tuple | None = None  # --lore: the entries pinned at the last rebuild (None: no lore file)
 
 
 @dataclass
@@ -166,7 +167,8 @@ class Display:
                       f"left {eta(p.target - p.done, recent)}  D-4 {_d4(p)}  D-1/{WORDS_WINDOW} {_d1(p)}  repeat {p.repeat}  "
                       f"checkpoints {p.checkpoints}  rss {human_bytes(p.rss_bytes)}" + _section_line(p)
                       + (f"  round {p.round}" if p.round > 1 else "")
-                      + (f"  banned-phrase backtracks {p.backtracks}" if p.backtracks is not None else ""),
+                      + (f"  banned-phrase backtracks {p.backtracks}" if p.backtracks is not None else "")
+                      + (f"  lore {', '.join(p.lore)[:60] or 'none'}" if p.lore is not None else ""),
                       file=sys.stderr, flush=True)
             return
         if self._live is not None and (force or now - self._last >= 0.25):
@@ -221,6 +223,8 @@ class Display:
                                style="bold red" if looping else ""))
         if p.backtracks is not None:
             t.add_row("banned", f"went back {p.backtracks} times to avoid a banned phrase")
+        if p.lore is not None:
+            t.add_row("lore", ", ".join(p.lore)[:100] if p.lore else "none in the context")
         t.add_row("memory", f"KV cache {human_bytes(p.kv_bytes)}, process {human_bytes(p.rss_bytes)}")
         ago = f", last {time.time() - p.last_checkpoint:.0f} s ago" if p.checkpoints else ""
         t.add_row("checkpoints", f"{p.checkpoints}{ago}")

@@ -345,7 +345,7 @@ def for_run(rec: dict | None, recall: str, lore_budget: int, context: int, base:
     if left < MIN_FREE:
         parts = [f"the memory ({notes.memory_reserve} tokens, with room for edits)"] if notes.memory_reserve else []
         parts += [f"--lore-budget {notes.lore_budget}"] if notes.lore_budget else []
-        raise UserError(f"{' and '.join(parts) or 'the notes'} and the brief ({base} tokens) leave {max(left, 0)} of the "
+        raise UserError(f"{', '.join(parts) or 'the notes'} and the brief ({base} tokens) leave {max(left, 0)} of the "
                         f"{context}-token context for writing, fewer than {MIN_FREE}; shorten them, lower "
                         "--lore-budget, or raise --context.")
     return notes

@@ -106,6 +106,7 @@ class Session:
     plan: runplan.RunPlan | None = None  # what the run was planned to be (the estimate; its costs are kept for the next)
     prefill: tuple[float, int] = (0.0, 0)  # a new run's prefill: seconds, tokens
     notes: memory.Notes | None = None  # pinned past the window (memory.py): the stats show the lore entries in
+    _lore: tuple = (None, [])  # the context span the lore entries below were found for, and they
 
     def start(self, rd: RunDir, ids: list[int]) -> None:
         """Prefill `ids` (prompt and the tokens written so far), putting back the cells a checkpoint saved where they
@@ -159,7 +160,8 @@ class Session:
         return Progress(st.done, st.target, st.seconds(), st.made, st.forwards, st.per_source, self.budget(),
                         self.engine.cache.nbytes, peak_rss(), st.checkpoints, st.last_checkpoint, st.tail, st.distinct_4,
                         st.repeat, distinct_1=st.distinct_1, section=self.section(st.done), round=rd.round,
-                        backtracks=st.backtracks if self.engine.bans is not None else None)
+                        backtracks=st.backtracks if self.engine.bans is not None else None,
+                        lore=tuple(self.notes_now()["lore_in"]) if self.notes is not None and self.notes.lore else None)
 
     def stats(self, st: RunStats, rd: RunDir, pending: int, gov) -> dict:
         engine, lm, sched = self.engine, self.lm, self.sched
@@ -199,10 +201,13 @@ class Session:
         """The notes in the context now: their reserve, and the lore entries pinned at the last rebuild."""
         engine, notes = self.engine, self.notes
         s, _ = engine.span
-        lore: list[str] = []
-        if s != engine.window.prompt and notes.lore:
-            r = s + engine.window.recent - engine.prompt_len
-            lore = notes.lore_in(r, engine.S[engine.prompt_len:].numpy())
+        if self._lore[0] != engine.span:  # the panel asks at every step; the entries change at a rebuild
+            lore: list[str] = []
+            if s != engine.window.prompt and notes.lore:
+                r = s + engine.window.recent - engine.prompt_len
+                lore = notes.lore_in(r, engine.S[engine.prompt_len:].numpy())
+            self._lore = (engine.span, lore)
+        lore = self._lore[1]
         return {"reserve": notes.reserve, "recall_budget": notes.recall, "lore_budget": notes.lore_budget,
                 "memory_versions": len(notes.versions), "lore_in": lore}
 
