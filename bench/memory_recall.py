@@ -92,9 +92,9 @@ def run(name: str, brief: str, *extra: str) -> dict:
 
 
 def named_in_stretches(r: dict, names) -> dict:
-    """For each name: in how many later stretches (after the first rebuild) its word occurs."""
+    """For each name: in how many later whole stretches (after the first rebuild) its word occurs; and how many."""
     ids, first = r["ids"], r["first_rebuild"]
-    stretches = [tok.decode(ids[i : i + a.stretch]) for i in range(first, len(ids), a.stretch)]
+    stretches = [tok.decode(ids[i : i + a.stretch]) for i in range(first, len(ids) - a.stretch + 1, a.stretch)]
     return {n: sum(bool(re.search(rf"\b{re.escape(n)}\b", s)) for s in stretches) for n in names}, len(stretches)
 
 

@@ -57,6 +57,21 @@ def test_a_job_record_gives_back_the_input_it_was_made_from(tmp_path):
     assert back.sections == job.sections and back.budgets == job.budgets
 
 
+def test_a_lines_memory_and_lore_are_read_from_the_jobs_files_folder_and_kept_in_its_record(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "cast.md").write_text("Mara keeps the light.\n")
+    (tmp_path / "notes" / "world.md").write_text("## Mara {keys: Mara, keeper}\nDeaf in one ear.\n")
+    job = read_jobs(str(jobs_file(tmp_path, {"prompt": "A keeper.", "out": "k.md", "memory": "notes/cast.md",
+                                             "lore": "notes/world.md", "recall": "none", "lore_budget": 64})),
+                    None, {}, tmp_path / "batch")[0].inputs
+    assert job.memory == "Mara keeps the light." and [e.keys for e in job.lore] == [("Mara", "keeper")]
+    assert (job.cfg.recall, job.cfg.lore_budget) == ("none", 64)
+    back = Inputs.from_record(json.loads(json.dumps(job.record())), job.run_dir, job.out, None)
+    assert back.memory == job.memory and back.lore == job.lore
+    old = {k: v for k, v in job.record().items() if k not in ("memory", "lore")}  # a record from before notes
+    assert Inputs.from_record(old, job.run_dir, job.out, None).lore is None
+
+
 @pytest.mark.parametrize("line, said", [
     ('{"prompt": "x", "out": "a.md"', "line 1 is not JSON"),
     ('["x", "a.md"]', "line 1 is a JSON list, not an object"),
@@ -69,6 +84,7 @@ def test_a_job_record_gives_back_the_input_it_was_made_from(tmp_path):
     ({"prompt": "x", "out": "a.md", "run_dir": "r"}, "line 1: run_dir is set for the whole batch"),
     ({"prompt": "x", "out": "a.md", "tp": 2}, "line 1: tp 2: a batch writes its documents in one process"),
     ({"prompt": "x", "out": "a.md", "outline": "none.md"}, "line 1: --outline"),
+    ({"prompt": "x", "out": "a.md", "recall": "all"}, "line 1: recall must be one of names, none"),
 ])
 def test_a_wrong_line_gets_one_sentence_naming_it_before_anything_is_written(tmp_path, line, said):
     message = refused(tmp_path, line, error=UserError)

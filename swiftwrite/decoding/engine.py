@@ -109,7 +109,8 @@ class Engine:
         """After a rebuild the context becomes S[:prompt_len] + pinned(r) + S[s:n], r the output index where
         that span's rebuild fell (s + window.recent − prompt_len): a function of the span, not of n, so a resume inside the
         span rebuilds the context the running engine had. The window must reserve room for the longest pin
-        (window.prompt = prompt_len + its length). An outline pins the current section's heading and notes."""
+        (window.prompt = prompt_len + its length). An outline pins the current section's heading and notes; the
+        run's notes (run/memory.py) its memory, the names the text established and the lore its kept text names."""
         self.prompt_len, self.pinned = prompt_len, pinned
 
     # -- context --------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ MIN_USES = 3  # a word used this often outside the brief, capitalized and never 
 RECALL_MAX = 192  # tokens of the names note at most ...
 RECALL_SHARE = 6  # ... and at most 1/6 of the positions the prompt leaves ...
 RECALL_MIN = 32  # ... and none below this (a short context keeps its recent text instead)
-SENTENCE_WORDS = 30  # an introducing sentence is cut to this many words
+SENTENCE_WORDS = 20  # an introducing sentence is cut to this many words: room for ~6 names in 192 tokens
 MEMORY_SLACK = 64  # a memory's reserve: its tokens plus a quarter, at least this many more, room for edits
 MAX_FILE_BYTES = 1 << 20
 # sentence starters and words that are capitalized without being anyone's name
@@ -149,8 +149,8 @@ def recall_names(text: str, brief: str = "") -> list[tuple[str, int, str]]:
     in_brief = {m.group() for m in _WORD.finditer(brief)}
     names = [w for w, c in counts.items() if c >= MIN_USES and w in inside and w.lower() not in lower
              and w not in in_brief and w not in NOT_NAMES and not (len(w) > 1 and w.isupper())]
-    order = list(first)
-    names.sort(key=lambda w: (-counts[w], order.index(w)))
+    order = {w: i for i, w in enumerate(first)}  # first introduced, first
+    names.sort(key=lambda w: (-counts[w], order[w]))
     return [(w, counts[w], _short(first[w])) for w in names]
 
 
