@@ -19,6 +19,7 @@ import yaml
 from .errors import UsageError
 from .machine import cores
 from .options import ATTENTIONS, BY_NAME, OPTIONS
+from .patterns import check_patterns
 from .userfiles import Kind, read_text
 
 DRAFT_CHOICES = ("none", "recycling", "ngram", "heads", "all")
@@ -101,9 +102,11 @@ class Config:
              "only applies with --plan (an outline file says its own sections); add --plan or drop --sections")
         need(all(isinstance(p, str) and p.strip() for p in self.ban), "ban",
              "has an empty phrase; every banned phrase needs a visible character")
-        need(not ((self.ban or self.ban_file) and (self.outline or self.plan or self.plan_only)), "ban",
+        check_patterns(self.ban_pattern, where.get("ban_pattern", "--ban-pattern"))
+        bans = self.ban or self.ban_pattern or self.ban_file
+        need(not (bans and (self.outline or self.plan or self.plan_only)), "ban",
              "cannot be combined with an outline yet (--outline, --plan); drop one of the two")
-        need(not ((self.ban or self.ban_file) and self.tp > 1), "ban",
+        need(not (bans and self.tp > 1), "ban",
              "is not built for tensor parallelism yet; drop --tp or the banned phrases")
         need(not (self.backend.startswith("ggml") and self.tp > 1), "backend",
              "runs llama.cpp in one process; drop --tp, or use --backend torch for tensor parallelism")

@@ -140,8 +140,13 @@ OPTIONS: tuple[Option, ...] = (
     # it began and chooses again without that token. Matched in any case, after a space or not. Stored with the run
     # (the phrases of --ban-file included), so `resume` keeps enforcing them
     Option("ban", tuple, (), "PHRASE", "A phrase the text must never contain (repeatable); any case, after a space or not."),
-    # one phrase per line, read once at `generate` and added to --ban's in the run's settings; "" = none
-    Option("ban_file", str, "", "FILE", "A file of phrases to ban, one per line."),
+    # banned patterns (base/patterns.py): a regular expression in the subset that can be matched token by token
+    # (bounded: no * + {m,}); backtracking as for phrases. Case as written unless it starts with (?i)
+    Option("ban_pattern", tuple, (), "REGEX", "A pattern the text must never match (repeatable): literal text, "
+           "classes, ? {m,n} \\b | (); no * or +."),
+    # one phrase per line (a line starting with `re:` a pattern), read once at `generate` and added to --ban's and
+    # --ban-pattern's in the run's settings; "" = none
+    Option("ban_file", str, "", "FILE", "A file of phrases to ban, one per line ('re:' before a pattern)."),
 )
 
 BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}

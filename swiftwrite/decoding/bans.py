@@ -1,4 +1,4 @@
-"""Banned phrases: the written text never contains one, by going back and choosing again.
+"""Banned phrases and patterns: the written text never contains one, by going back and choosing again.
 
 The rule, on plain decoding. Tokens are appended one at a time; when the text written so far (the prompt
 excluded) would complete a banned phrase, decoding goes back to the token where that phrase began (position s),
@@ -11,7 +11,12 @@ Matching. Every token is a byte string; the text is matched byte by byte with an
 phrases' variants, ASCII letters folded to lower case. A phrase is stripped of surrounding white space and matches
 wherever its letters occur: after a space or not, inside a word or not, in any case for ASCII letters (other
 letters: as written, lower, upper, capitalised or title case). The automaton's state after each position is kept,
-so a new token costs its bytes, and going back costs nothing but a truncation.
+so a new token costs its bytes, and going back costs nothing but a truncation. Patterns (--ban-pattern, the subset
+of base/patterns.py) run beside it in `Matcher`, a DFA over the text's bytes as written, made as the text asks for
+it; their state per position is kept likewise. At a byte that completes several matches, decoding goes back to
+the one that begins first. A pattern ending in a word boundary (`cat\\b`) is complete only once the next character is
+known: at that character's first byte, or at the end of the run (the end counts as no word character, as in `re`),
+where the writer goes back as at any other byte. A `\\b` at the text's start looks at the prompt's last character.
 
 Exact under drafting. The token at position p depends only on the text before p, p's seed and p's exclusions, so
 a draft tree applies the exclusions of the root's position to the root's row (deeper positions have none: they
@@ -20,9 +25,10 @@ going back at the first completed phrase exactly where plain decoding does, disc
 
 What may be shown. A token can still be taken back while a phrase that began at or before it may complete; the
 engine hands out a token only once the automaton has passed a position where no phrase is under way (its root
-state), at or after it: no later going back reaches before such a position (the state at any position after it
-can only start phrases after it). Those tokens are final: written, checkpointed, never taken back. A resumed run
-starts at such a position with no exclusions past it, as the uninterrupted run had, so it writes the same text.
+state, and the matcher's with nothing under way), at or after it: no later going back reaches before such a
+position (the state at any position after it can only start phrases after it). Those tokens are final: written,
+checkpointed, never taken back. A resumed run starts at such a position with no exclusions past it, as the
+uninterrupted run had, so it writes the same text.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import bisect
 import numpy as np
 
 from ..base.errors import UserError
+from ..base.patterns import WORD, Nfa, compile_patterns
 from ..base.userfiles import NOT_UTF8, Kind, read_text
 
 MAX_RETRIES = 8  # exclusions at one position before a match that starts there is let through
@@ -64,9 +71,18 @@ def check_phrases(phrases, where: str = "--ban") -> tuple[str, ...]:
     return tuple(out)
 
 
+PATTERN_LINE = "re:"  # a ban file's line that starts so is a pattern (base/patterns.py), taken as written after it
+
+
 def read_ban_file(path: str) -> list[str]:
     """One phrase per line, blank lines skipped. PhraseError (one sentence) for a missing, unreadable or binary file."""
     return [line for line in read_text(path, BAN_FILE).splitlines() if line.strip()]
+
+
+def split_lines(lines: list[str]) -> tuple[list[str], list[str]]:
+    """A ban file's lines as (phrases, patterns): a line starting with `re:` is a pattern."""
+    phrases = [line for line in lines if not line.startswith(PATTERN_LINE)]
+    return phrases, [line[len(PATTERN_LINE) :] for line in lines if line.startswith(PATTERN_LINE)]
 
 
 class Automaton:
@@ -104,28 +120,109 @@ class Automaton:
         self.longest = max((len(p) for p in patterns), default=0)
 
 
+class Matcher:
+    """The banned patterns' NFA (base/patterns.py) run as a DFA made as the text asks for it.
+
+    A state is the set of threads under way, each (NFA state, bytes since its match began, what the next byte must
+    be: None for anything, True a word character, False not one, after a word boundary `\\b` was crossed), and the
+    matches that wait on the next byte (a pattern ending in `\\b`: "cat\\b" is matched in "cat," and not in
+    "cats"). A new thread starts at every byte. Ages, not offsets, so the same states recur as the text goes on and
+    each (state, byte) is worked out once: a byte then costs one dict look-up. A move reports the matches it
+    completes as `back`s, the match beginning `back - 1` bytes before the byte just read."""
+
+    def __init__(self, nfa: Nfa):
+        self.nfa = nfa
+        self.ids: dict = {}
+        self.states: list[tuple[frozenset, frozenset]] = []
+        self.idle: list[bool] = []  # nothing under way: no later match can begin before this point
+        self.moves: list[dict[int, tuple[int, tuple[int, ...]]]] = []
+        self.roots = tuple(self._intern(*self._close([(0, 0, None)], w)[::2]) for w in (False, True))
+
+    def _intern(self, threads: frozenset, pending: frozenset) -> int:
+        key = (threads, pending)
+        if key not in self.ids:
+            self.ids[key] = len(self.states)
+            self.states.append(key)
+            self.idle.append(not pending and all(age == 0 for _, age, _ in threads))
+            self.moves.append({})
+        return self.ids[key]
+
+    def _close(self, kernel, word: bool) -> tuple[frozenset, list[int], frozenset]:
+        """The threads reachable without a byte, the last byte a word character or not: (those that read bytes,
+        the ages of the matches complete here, the matches that wait on the next byte: (age, what it must be))."""
+        nfa, need = self.nfa, not word  # across \b the next character is a word character iff the last was not
+        seen, stack, complete, pending = set(), list(kernel), set(), set()
+        while stack:
+            t = stack.pop()
+            if t in seen:
+                continue
+            seen.add(t)
+            q, age, req = t
+            if nfa.accept[q]:
+                (complete.add(age) if req is None else pending.add((age, req)))
+            stack += [(r, age, req) for r in nfa.eps[q]]
+            if req is None or req == need:
+                stack += [(r, age, need) for r in nfa.bound[q]]
+        # a thread free of a condition does all that one with a condition does
+        threads = frozenset(t for t in seen if nfa.edges[t[0]] and (t[2] is None or (t[0], t[1], None) not in seen))
+        return threads, sorted(complete), frozenset(p for p in pending if p[0] not in complete)
+
+    def root(self, word: bool) -> int:
+        """The state at the text's start, the character before it a word character or not."""
+        return self.roots[word]
+
+    def step(self, d: int, c: int) -> tuple[int, tuple[int, ...]]:
+        """State d reads byte c: (the next state, the matches completed, as backs, longest first)."""
+        move = self.moves[d].get(c)
+        if move is None:
+            threads, pending = self.states[d]
+            word = bool(WORD >> c & 1)
+            backs = {age + 1 for age, req in pending if req == word}
+            edges = self.nfa.edges
+            kernel = [(t, age + 1, None) for q, age, req in threads if req is None or req == word
+                      for mask, t in edges[q] if mask >> c & 1]
+            kernel.append((0, 0, None))
+            threads, complete, pending = self._close(kernel, word)
+            backs.update(complete)
+            move = self._intern(threads, pending), tuple(sorted(backs, reverse=True))
+            self.moves[d][c] = move
+        return move
+
+    def ends(self, d: int) -> list[int]:
+        """The ages of the matches that the text's end completes (it counts as no word character), longest first."""
+        return sorted((age for age, req in self.states[d][1] if req is False), reverse=True)
+
+
 class Bans:
-    """The banned-phrase state of one engine: the automaton's state after every position since `floor`, the bytes
-    written since then, and the exclusions per position. A pure function of the token history from `floor` and of
-    the going-back it caused, so a resumed run recomputes it.
+    """The banned-phrase state of one engine: the automaton's state after every position since `floor` (and the
+    patterns' matcher's), the bytes written since then, and the exclusions per position. A pure function of the
+    token history from `floor` (and the character before it) and of the going-back it caused, so a resumed run
+    recomputes it.
 
-    token_bytes: each vocabulary id's bytes (special tokens: b"")."""
+    token_bytes: each vocabulary id's bytes (special tokens: b""). patterns: checked by base/patterns.py."""
 
-    def __init__(self, phrases: tuple[str, ...], token_bytes: list[bytes]):
+    def __init__(self, phrases: tuple[str, ...], token_bytes: list[bytes], patterns: tuple[str, ...] = ()):
         self.phrases = phrases
+        self.patterns = patterns
         self.auto = Automaton([v for p in phrases for v in variants(p)])
         self.lower = [t.lower() for t in token_bytes]
+        self.raw = token_bytes  # patterns see the case as written
+        self.match = Matcher(compile_patterns(patterns)) if patterns else None
         self.backtracks = 0  # times decoding went back (this process)
         self.let_through = 0  # matches kept after MAX_RETRIES exclusions at their start
         self.reset(0)
 
-    def reset(self, floor: int) -> None:
-        """Start matching at position `floor` (the first token after the prompt, or after a resumed history)."""
+    def reset(self, floor: int, history=()) -> None:
+        """Start matching at position `floor` (the first token after the prompt, or after a resumed history);
+        `history` the ids before it, whose last character a word boundary looks at."""
         self.floor = floor
         self.state = [0]  # state[i]: after the tokens floor .. floor + i - 1
         self.nbytes = [0]  # bytes of those tokens
         self.excl: dict[int, set[int]] = {}
         self.final = floor  # tokens before it are final
+        if self.match is not None:
+            last = next((self.raw[int(t)] for t in reversed(history) if self.raw[int(t)]), b" ")
+            self.pstate = [self.match.root(bool(WORD >> last[-1] & 1))]  # the patterns' states, as `state`
 
     def excluded(self, pos: int) -> list[int]:
         e = self.excl.get(pos)
@@ -133,40 +230,81 @@ class Bans:
 
     def push(self, pos: int, token: int) -> int | None:
         """Append `token` at position `pos` (the next one). Returns the position to go back to when it completes a
-        banned phrase that may still be refused there, else None."""
+        banned phrase or pattern that may still be refused there, else None."""
         assert pos == self.floor + len(self.state) - 1, (pos, self.floor, len(self.state))
+        if self.match is not None:
+            return self._push_both(token)
         goto, out = self.auto.goto, self.auto.out
         s = self.state[-1]
         before = self.nbytes[-1]
         for k, b in enumerate(self.lower[token]):
             s = goto[s][b]
             for length in out[s]:
-                start = before + k + 1 - length  # byte where the match begins
-                at = self.floor + bisect.bisect_right(self.nbytes, start) - 1  # the token holding that byte
-                if len(self.excl.get(at, ())) < MAX_RETRIES:
+                at = self._refusable(before + k + 1 - length)  # the byte where the match begins
+                if at is not None:
                     return at
-                self.let_through += 1
         self.state.append(s)
         self.nbytes.append(before + len(self.lower[token]))
+        return None
+
+    def _push_both(self, token: int) -> int | None:
+        """push() with patterns: at each byte, the match that begins first among the phrases' and patterns'."""
+        goto, out, step = self.auto.goto, self.auto.out, self.match.step
+        s, d = self.state[-1], self.pstate[-1]
+        before = self.nbytes[-1]
+        for k, (b, c) in enumerate(zip(self.lower[token], self.raw[token])):
+            s = goto[s][b]
+            d, backs = step(d, c)
+            if out[s] or backs:
+                for back in sorted({*out[s], *backs}, reverse=True):
+                    at = self._refusable(before + k + 1 - back)
+                    if at is not None:
+                        return at
+        self.state.append(s)
+        self.pstate.append(d)
+        self.nbytes.append(before + len(self.raw[token]))
+        return None
+
+    def _refusable(self, start: int) -> int | None:
+        """The position of the token holding byte `start` (where a match begins), or None when it has been refused
+        MAX_RETRIES times there already: the match is let through."""
+        at = self.floor + bisect.bisect_right(self.nbytes, start) - 1
+        if len(self.excl.get(at, ())) < MAX_RETRIES:
+            return at
+        self.let_through += 1
+        return None
+
+    def finish(self) -> int | None:
+        """The text ends after the tokens pushed: the position to go back to when that completes a pattern ending
+        in a word boundary (`cat\\b` at the very end), else None."""
+        if self.match is None:
+            return None
+        for age in self.match.ends(self.pstate[-1]):
+            at = self._refusable(self.nbytes[-1] - age)
+            if at is not None:
+                return at
         return None
 
     def back(self, s: int, token: int) -> None:
         """Go back to position `s` and exclude `token` (the one the phrase began with) there."""
         del self.state[s - self.floor + 1 :]
         del self.nbytes[s - self.floor + 1 :]
+        if self.match is not None:
+            del self.pstate[s - self.floor + 1 :]
         for p in [p for p in self.excl if p > s]:
             del self.excl[p]
         self.excl.setdefault(s, set()).add(token)
         self.backtracks += 1
 
     def settle(self, n: int, everything: bool = False) -> int:
-        """The new final length for a history of `n` tokens: the last position at or before n where no phrase is
-        under way (or n itself when `everything`: the run ends there)."""
+        """The new final length for a history of `n` tokens: the last position at or before n where no phrase or
+        pattern is under way (or n itself when `everything`: the run ends there)."""
         if everything:
             self.final = n
             return n
+        idle = self.match.idle if self.match is not None else None
         for p in range(n, self.final, -1):
-            if self.state[p - self.floor] == 0:
+            if self.state[p - self.floor] == 0 and (idle is None or idle[self.pstate[p - self.floor]]):
                 self.final = p
                 break
         return self.final

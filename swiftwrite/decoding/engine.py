@@ -130,7 +130,7 @@ class Engine:
         self.n = len(history)
         self.final = self.n
         if self.bans is not None:
-            self.bans.reset(self.n)
+            self.bans.reset(self.n, history)
         self._rebuild(seed_sources=True, saved=saved)
         hist = self.S[: self.n].numpy()
         for src in self.sources:
@@ -275,6 +275,9 @@ class Engine:
                 new = new[: j + 1]
                 self.stopped = False  # a stop token after the phrase's end was never reached
                 break
+        if back is None and (len(new) == remaining or self.stopped):
+            back = self.bans.finish()  # the text's end completes a pattern ending in \b: as the next byte would
+            self.stopped = self.stopped and back is None
         return new, back, self.bans.let_through - let
 
     def _learn(self, flat: Flat, path: list[int], kept: int, processed: torch.Tensor, hidden: torch.Tensor,

@@ -220,7 +220,7 @@ def sampler_settings(cfg: Config, lm: Loaded, text_start: int) -> SamplerSetting
 def ban_list(cfg: Config, lm: Loaded, window: "Window") -> Bans | None:
     """The run's banned phrases (--ban, with --ban-file's already added by the writer), checked against what can be
     written: None when there are none, so a step does no work for them."""
-    if not cfg.ban:
+    if not cfg.ban and not cfg.ban_pattern:
         return None
     phrases = check_phrases(cfg.ban)
     room = window.context - window.prompt
@@ -228,7 +228,7 @@ def ban_list(cfg: Config, lm: Loaded, window: "Window") -> Bans | None:
         if lm.tok is not None and len(lm.tok(p, add_special_tokens=False)["input_ids"]) > room:
             raise PhraseError(f"the banned phrase {p[:40]!r} is longer than the {room} tokens the context leaves for "
                               "writing, so it can never be written; drop it or shorten it.")
-    return Bans(phrases, vocab_bytes(lm.tok, lm.model.cfg.vocab_size))
+    return Bans(phrases, vocab_bytes(lm.tok, lm.model.cfg.vocab_size), cfg.ban_pattern)  # patterns: checked by cfg
 
 
 def text_start_for(cfg: Config, prompt_len: int) -> int:
@@ -385,7 +385,7 @@ def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan |
                         threads=lm.threads, tp=lm.tp, context=window.context,
                         drafting=tuple(src.name for src in engine.sources),
                         budget=str(engine.budget) if engine.budget is not None else "auto" if engine.sources else "none",
-                        drafting_off=why, bans=len(engine.bans.phrases) if engine.bans else 0)
+                        drafting_off=why, bans=len(engine.bans.phrases) + len(engine.bans.patterns) if engine.bans else 0)
     limits = Limits(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Limits)})  # as asked, not resolved
     return Session(settings, limits, lm, engine, sched, display, resolved, curves_for(lm))
 

@@ -174,7 +174,8 @@ class Session:
             "weights": lm.weights, "backend": lm.backend, "cpu": cpu_extensions(), "text_pending_tokens": pending,
             "earlier_processes": st.history,
             "longest_current_repeat": st.repeat, **({"stopped": st.stopped} if st.stopped else {}),
-            **({"banned_phrases": {"phrases": len(engine.bans.phrases), "backtracks": st.backtracks}}
+            **({"banned_phrases": {"phrases": len(engine.bans.phrases), "patterns": len(engine.bans.patterns),
+                                   "backtracks": st.backtracks}}
                if engine.bans else {}),
             "threads": torch.get_num_threads(), **({"thread_changes": gov.changes} if gov else {}),
             "tp": lm.tp,  # the ranks this text came from: resume keeps it (ranks.recorded)
