@@ -297,11 +297,11 @@ def test_a_ban_file_that_is_missing_or_binary_stops_the_run_before_its_directory
         assert not (tmp_path / "run").exists()
 
 
-def test_an_empty_phrase_or_an_outline_with_bans_is_refused_by_the_configuration():
+def test_an_empty_phrase_is_refused_by_the_configuration_and_an_outline_takes_bans():
     with pytest.raises(UsageError, match="empty phrase"):
         Config(ban=("ok", " ")).validate()
-    with pytest.raises(UsageError, match="outline"):
-        Config(ban=("ok",), plan=True).validate()
+    assert Config(ban=("ok",), ban_pattern=("o{2}",), plan=True).validate().plan
+    assert Config(ban=("ok",), outline="plan.md").validate().outline == "plan.md"
 
 
 def test_the_default_model_never_writes_a_banned_phrase_drafting_equals_plain_and_resume_keeps_the_ban(

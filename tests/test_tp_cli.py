@@ -10,6 +10,7 @@ bad input gets one sentence, every rank exits, and nothing is half-written.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -100,6 +101,22 @@ def test_drafting_under_two_ranks_writes_what_plain_decoding_under_two_ranks_wri
     state = ks.read_state(work / "ref")
     assert state["stats"]["tp"] == 2 and state["finished"]
     assert state["stats"]["forward_passes"] < TOKENS, "no drafted token was accepted: the comparison proves little"
+
+
+def test_bans_under_two_ranks_hold_and_drafting_writes_what_plain_decoding_writes(work, reference):
+    """A phrase and a pattern the reference writes, banned: drafting = plain under 2 ranks, neither in the text."""
+    assert "the old" in reference[1].lower() and re.search(r"(?i)\bthe keeper\b", reference[1])
+    bans = ["--ban", "the old", "--ban-pattern", "(?i)\\bthe keeper\\b"]
+    for name, extra in (("ban-plain", ["--draft", "none"]), ("ban-drafted", ["--budget", "16"])):
+        rc, err = run(work, *generate(work, name, "--tp", "2", *bans, *extra))
+        assert rc == 0, err
+    text = (work / "ban-plain" / "output.txt").read_text()
+    assert ks.read_tokens(work / "ban-drafted") == ks.read_tokens(work / "ban-plain")
+    assert (work / "ban-drafted" / "output.txt").read_text() == text and len(ks.read_tokens(work / "ban-plain")) == TOKENS
+    assert "the old" not in text.lower() and not re.search(r"(?i)\bthe keeper\b", text)
+    stats = ks.read_state(work / "ban-drafted")["stats"]
+    assert stats["tp"] == 2 and stats["banned_phrases"]["backtracks"] >= 2
+    assert stats["forward_passes"] < TOKENS, "no drafted token was accepted: the comparison proves little"
 
 
 @pytest.mark.parametrize("victim", ["rank 0", "rank 1", "the command"])

@@ -103,11 +103,6 @@ class Config:
         need(all(isinstance(p, str) and p.strip() for p in self.ban), "ban",
              "has an empty phrase; every banned phrase needs a visible character")
         check_patterns(self.ban_pattern, where.get("ban_pattern", "--ban-pattern"))
-        bans = self.ban or self.ban_pattern or self.ban_file
-        need(not (bans and (self.outline or self.plan or self.plan_only)), "ban",
-             "cannot be combined with an outline yet (--outline, --plan); drop one of the two")
-        need(not (bans and self.tp > 1), "ban",
-             "is not built for tensor parallelism yet; drop --tp or the banned phrases")
         need(not (self.backend.startswith("ggml") and self.tp > 1), "backend",
              "runs llama.cpp in one process; drop --tp, or use --backend torch for tensor parallelism")
         return self
