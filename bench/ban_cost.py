@@ -56,7 +56,7 @@ def main() -> None:
         cold = per_token(bans, prompt, list(ids))
         warm = min(per_token(bans, prompt, list(ids)) for _ in range(5))  # the least disturbed of five
         rows[name] = {"count": len(ph) + len(pt), "us_per_token_cold": round(cold, 2), "us_per_token_warm": round(warm, 2),
-                      **({"dfa_states": len(bans.match.states)} if bans.match else {})}
+                      **({"dfa_states": sum(len(m.states) for m in bans.match)} if bans.match else {})}
         print(f"{name}: {rows[name]}")
     common.write_report(a.out, {"run_dir": str(a.run_dir), "tokens": len(ids), "ban_file": a.ban_file, "rows": rows,
                                 "date": common.now()})

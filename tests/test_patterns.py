@@ -13,7 +13,7 @@ import pytest
 from swiftwrite import cli
 from swiftwrite.base.config import Config
 from swiftwrite.base.errors import UsageError
-from swiftwrite.base.patterns import FLAG, MAX_LENGTH, PatternError, check_patterns, compile_patterns
+from swiftwrite.base.patterns import FLAG, MAX_LENGTH, PatternError, check_patterns, compile_patterns, longest_match
 from swiftwrite.decoding.bans import Bans, Matcher, split_lines
 
 # ---------------------------------------------------------------------------------------------------------
@@ -132,16 +132,18 @@ def expected_reports(pattern: str, before: str, text: str) -> tuple[dict[int, se
 
 
 def reported(pattern: str, before: str, text: str) -> tuple[dict[int, set[int]], set[int]]:
-    m = Matcher(compile_patterns((pattern,)))
-    last = before.encode()[-1:] or b" "
-    d = m.root(bool(re.match(rb"\w", last)))
+    """What the matcher reports, read byte by byte as Bans reads it: per byte, where the matches it completes
+    begin; and where the ones the text's end completes begin."""
+    m = Matcher(compile_patterns((pattern,)), 4 * longest_match((pattern,)))
+    data, word = text.encode(), bool(re.match(r"\w", before[-1:], re.A))
+    d = m.root(word)
     at: dict[int, set[int]] = {}
-    for k, c in enumerate(text.encode()):
-        d, backs = m.step(d, c)
-        if backs:
-            at[k] = {k + 1 - b for b in backs}
-    n = len(text.encode())
-    return at, {n - age for age in m.ends(d)}
+    for k, c in enumerate(data):
+        d, waited, complete = m.step(d, c)
+        found = (m.starts(data, k, word, c) if waited else set()) | (m.starts(data, k + 1, word, None) if complete else set())
+        if found:
+            at[k] = found
+    return at, m.starts(data, len(data), word, ord(" ")) if m.waits(d) else set()
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -163,15 +165,9 @@ def test_the_matcher_reports_what_re_finds_at_the_byte_that_decides_it(seed):
 
 
 def test_word_boundaries_wait_for_the_next_character():
-    m = Matcher(compile_patterns(("\\bcat\\b",)))
-    d = m.root(False)
-    backs = []
-    for c in b"cats cat, cat":
-        d, b = m.step(d, c)
-        backs.append(b)
-    # "cats": nothing; "cat," reported at the ',' (4 bytes back, the match began at the 'c'); the final "cat" at the end
-    assert [k for k, b in enumerate(backs) if b] == [8] and backs[8] == (4,)
-    assert m.ends(d) == [3]
+    at, end = reported("\\bcat\\b", " ", "cats cat, cat")
+    # "cats": nothing; "cat," reported at the ',' (byte 8), the match beginning at byte 5; the final "cat" at the end
+    assert at == {8: {5}} and end == {10}
 
 
 def test_bans_go_back_to_where_the_pattern_began_across_tokens():

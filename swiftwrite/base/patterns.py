@@ -368,6 +368,11 @@ def compile_patterns(patterns: tuple[str, ...], where: str = "--ban-pattern") ->
     return nfa
 
 
+def longest_match(patterns) -> int:
+    """The most characters a match of any of the (checked) patterns spans."""
+    return max(_lengths(parse(p))[1] for p in patterns)
+
+
 def check_patterns(patterns, where: str = "--ban-pattern") -> tuple[str, ...]:
     """The patterns in order, without repeats; PatternError for the first one outside the subset."""
     out = tuple(dict.fromkeys(patterns))

@@ -12,9 +12,10 @@ phrases' variants, ASCII letters folded to lower case. A phrase is stripped of s
 wherever its letters occur: after a space or not, inside a word or not, in any case for ASCII letters (other
 letters: as written, lower, upper, capitalised or title case). The automaton's state after each position is kept,
 so a new token costs its bytes, and going back costs nothing but a truncation. Patterns (--ban-pattern, the subset
-of base/patterns.py) run beside it in `Matcher`, a DFA over the text's bytes as written, made as the text asks for
-it; their state per position is kept likewise. At a byte that completes several matches, decoding goes back to
-the one that begins first. A pattern ending in a word boundary (`cat\\b`) is complete only once the next character is
+of base/patterns.py) run beside it, a `Matcher` each: a DFA over the text's bytes as written, made as the text asks
+for it, whose states hold no positions (so they stay few), and a walk back over the last bytes to where a match
+began, only when one is complete. Their states per position are kept likewise. At a byte that completes several
+matches, decoding goes back to the one that begins first. A pattern ending in a word boundary (`cat\\b`) is complete only once the next character is
 known: at that character's first byte, or at the end of the run (the end counts as no word character, as in `re`),
 where the writer goes back as at any other byte. A `\\b` at the text's start looks at the prompt's last character.
 
@@ -38,10 +39,11 @@ import bisect
 import numpy as np
 
 from ..base.errors import UserError
-from ..base.patterns import WORD, Nfa, compile_patterns
+from ..base.patterns import WORD, Nfa, compile_patterns, longest_match
 from ..base.userfiles import NOT_UTF8, Kind, read_text
 
 MAX_RETRIES = 8  # exclusions at one position before a match that starts there is let through
+MOVES = 1 << 16  # moves of the patterns' states kept (Bans._move): a few MB
 
 
 class PhraseError(UserError):
@@ -121,76 +123,127 @@ class Automaton:
 
 
 class Matcher:
-    """The banned patterns' NFA (base/patterns.py) run as a DFA made as the text asks for it.
+    """One banned pattern's NFA (base/patterns.py) run forward as a DFA made as the text asks for it, and backward
+    over the last bytes to find where a match began.
 
-    A state is the set of threads under way, each (NFA state, bytes since its match began, what the next byte must
-    be: None for anything, True a word character, False not one, after a word boundary `\\b` was crossed), and the
-    matches that wait on the next byte (a pattern ending in `\\b`: "cat\\b" is matched in "cat," and not in
-    "cats"). A new thread starts at every byte. Ages, not offsets, so the same states recur as the text goes on and
-    each (state, byte) is worked out once: a byte then costs one dict look-up. A move reports the matches it
-    completes as `back`s, the match beginning `back - 1` bytes before the byte just read."""
+    Forward, a state is the set of threads under way, each (NFA state, what the next byte must be: None anything,
+    True a word character, False not one, after a word boundary `\\b` was crossed), the kinds of match waiting on
+    the next byte (a pattern ending in `\\b`: "cat\\b" is matched in "cat," and not in "cats") and whether the
+    last byte is a word character; a new thread starts at every byte. No positions in it, so the states are few and
+    recur, and each (state, byte) is worked out once: a byte costs one dict look-up. Where a move completes a match,
+    `starts` walks the reversed NFA back over at most `longest` bytes to every place such a match begins (rare:
+    only where decoding is about to go back)."""
 
-    def __init__(self, nfa: Nfa):
-        self.nfa = nfa
+    def __init__(self, nfa: Nfa, longest: int):
+        self.nfa, self.longest = nfa, longest
+        n = len(nfa.accept)
+        self.rev_edges: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        self.rev_eps: list[list[int]] = [[] for _ in range(n)]
+        self.rev_bound: list[list[int]] = [[] for _ in range(n)]
+        for q in range(n):
+            for mask, t in nfa.edges[q]:
+                self.rev_edges[t].append((mask, q))
+            for t in nfa.eps[q]:
+                self.rev_eps[t].append(q)
+            for t in nfa.bound[q]:
+                self.rev_bound[t].append(q)
+        self.accepts = [q for q in range(n) if nfa.accept[q]]
         self.ids: dict = {}
-        self.states: list[tuple[frozenset, frozenset]] = []
+        self.states: list[tuple[frozenset, frozenset, bool]] = []
         self.idle: list[bool] = []  # nothing under way: no later match can begin before this point
-        self.moves: list[dict[int, tuple[int, tuple[int, ...]]]] = []
-        self.roots = tuple(self._intern(*self._close([(0, 0, None)], w)[::2]) for w in (False, True))
+        self.moves: list[dict[int, tuple[int, bool, bool]]] = []
+        self.fresh = tuple(self._close([(0, None)], w)[0] for w in (False, True))  # a thread started here
+        self.roots = tuple(self._intern(frozenset(), frozenset(), w) for w in (False, True))
 
-    def _intern(self, threads: frozenset, pending: frozenset) -> int:
-        key = (threads, pending)
+    def _intern(self, under: frozenset, pending: frozenset, word: bool) -> int:
+        key = (under, pending, word)
         if key not in self.ids:
             self.ids[key] = len(self.states)
             self.states.append(key)
-            self.idle.append(not pending and all(age == 0 for _, age, _ in threads))
+            self.idle.append(not under and not pending)
             self.moves.append({})
         return self.ids[key]
 
-    def _close(self, kernel, word: bool) -> tuple[frozenset, list[int], frozenset]:
+    def _close(self, kernel, word: bool) -> tuple[frozenset, bool, frozenset]:
         """The threads reachable without a byte, the last byte a word character or not: (those that read bytes,
-        the ages of the matches complete here, the matches that wait on the next byte: (age, what it must be))."""
-        nfa, need = self.nfa, not word  # across \b the next character is a word character iff the last was not
-        seen, stack, complete, pending = set(), list(kernel), set(), set()
+        whether a match is complete here, what the next byte must be for the matches that wait on it)."""
+        nfa, need = self.nfa, not word  # across \\b the next character is a word character iff the last was not
+        seen, stack, complete, pending = set(), list(kernel), False, set()
         while stack:
             t = stack.pop()
             if t in seen:
                 continue
             seen.add(t)
-            q, age, req = t
+            q, req = t
             if nfa.accept[q]:
-                (complete.add(age) if req is None else pending.add((age, req)))
-            stack += [(r, age, req) for r in nfa.eps[q]]
+                if req is None:
+                    complete = True
+                else:
+                    pending.add(req)
+            stack += [(r, req) for r in nfa.eps[q]]
             if req is None or req == need:
-                stack += [(r, age, need) for r in nfa.bound[q]]
+                stack += [(r, need) for r in nfa.bound[q]]
         # a thread free of a condition does all that one with a condition does
-        threads = frozenset(t for t in seen if nfa.edges[t[0]] and (t[2] is None or (t[0], t[1], None) not in seen))
-        return threads, sorted(complete), frozenset(p for p in pending if p[0] not in complete)
+        threads = frozenset(t for t in seen if nfa.edges[t[0]] and (t[1] is None or (t[0], None) not in seen))
+        return threads, complete, frozenset(pending)
 
     def root(self, word: bool) -> int:
         """The state at the text's start, the character before it a word character or not."""
         return self.roots[word]
 
-    def step(self, d: int, c: int) -> tuple[int, tuple[int, ...]]:
-        """State d reads byte c: (the next state, the matches completed, as backs, longest first)."""
+    def step(self, d: int, c: int) -> tuple[int, bool, bool]:
+        """State d reads byte c: (the next state, whether c completes a match that waited on it, whether a match
+        ends with c itself)."""
         move = self.moves[d].get(c)
         if move is None:
-            threads, pending = self.states[d]
+            under, pending, last = self.states[d]
             word = bool(WORD >> c & 1)
-            backs = {age + 1 for age, req in pending if req == word}
             edges = self.nfa.edges
-            kernel = [(t, age + 1, None) for q, age, req in threads if req is None or req == word
+            kernel = [(t, None) for q, req in under | self.fresh[last] if req is None or req == word
                       for mask, t in edges[q] if mask >> c & 1]
-            kernel.append((0, 0, None))
-            threads, complete, pending = self._close(kernel, word)
-            backs.update(complete)
-            move = self._intern(threads, pending), tuple(sorted(backs, reverse=True))
+            threads, complete, waiting = self._close(kernel, word)
+            move = self._intern(threads, waiting, word), word in pending, complete
             self.moves[d][c] = move
         return move
 
-    def ends(self, d: int) -> list[int]:
-        """The ages of the matches that the text's end completes (it counts as no word character), longest first."""
-        return sorted((age for age, req in self.states[d][1] if req is False), reverse=True)
+    def waits(self, d: int) -> bool:
+        """Whether the text's end (no word character) completes a match at state d."""
+        return False in self.states[d][1]
+
+    def starts(self, text, end: int, before: bool, after: int | None) -> set[int]:
+        """Where the matches ending at byte `end` of `text` begin. `before`: whether the character before text[0]
+        is a word character. `after`: the byte after `end` for the matches that waited on it (those whose \\b at
+        `end` it satisfies, less those that needed none: they were reported a byte earlier); None for the matches
+        complete without it."""
+        def boundary(p: int) -> bool:
+            left = bool(WORD >> text[p - 1] & 1) if p > 0 else before
+            right = bool(WORD >> (text[p] if p < end else after) & 1)
+            return left != right
+
+        cur = {(q, False) for q in self.accepts}
+        found: dict[bool, set[int]] = {False: set(), True: set()}
+        for p in range(end, max(0, end - self.longest) - 1, -1):
+            crosses = boundary(p) if p < end or after is not None else False  # complete: no \\b at its end
+            stack, seen = list(cur), set()
+            while stack:  # the reversed closure at p
+                t = stack.pop()
+                if t in seen:
+                    continue
+                seen.add(t)
+                r, x = t
+                stack += [(q, x) for q in self.rev_eps[r]]
+                if crosses:
+                    stack += [(q, x or p == end) for q in self.rev_bound[r]]
+            for q, x in seen:
+                if q == 0 and p < end:
+                    found[x].add(p)
+            if p == 0:
+                break
+            b = text[p - 1]
+            cur = {(q, x) for r, x in seen for mask, q in self.rev_edges[r] if mask >> b & 1}
+            if not cur:
+                break
+        return found[True] - found[False] if after is not None else found[False]
 
 
 class Bans:
@@ -207,7 +260,9 @@ class Bans:
         self.auto = Automaton([v for p in phrases for v in variants(p)])
         self.lower = [t.lower() for t in token_bytes]
         self.raw = token_bytes  # patterns see the case as written
-        self.match = Matcher(compile_patterns(patterns)) if patterns else None
+        # a matcher per pattern: each one's DFA has few states, where one DFA for all would have their product
+        self.match = [Matcher(compile_patterns((p,)), 4 * longest_match((p,))) for p in patterns] or None
+        self.moves: dict = {}  # (the matchers' states, byte) -> _move's answer
         self.backtracks = 0  # times decoding went back (this process)
         self.let_through = 0  # matches kept after MAX_RETRIES exclusions at their start
         self.reset(0)
@@ -222,7 +277,9 @@ class Bans:
         self.final = floor  # tokens before it are final
         if self.match is not None:
             last = next((self.raw[int(t)] for t in reversed(history) if self.raw[int(t)]), b" ")
-            self.pstate = [self.match.root(bool(WORD >> last[-1] & 1))]  # the patterns' states, as `state`
+            self.before = bool(WORD >> last[-1] & 1)  # the character before the text a word character
+            self.pstate = [tuple(m.root(self.before) for m in self.match)]  # the patterns' states, as `state`
+            self.text = bytearray()  # the bytes since floor, for `Matcher.starts`
 
     def excluded(self, pos: int) -> list[int]:
         e = self.excl.get(pos)
@@ -249,21 +306,46 @@ class Bans:
 
     def _push_both(self, token: int) -> int | None:
         """push() with patterns: at each byte, the match that begins first among the phrases' and patterns'."""
-        goto, out, step = self.auto.goto, self.auto.out, self.match.step
-        s, d = self.state[-1], self.pstate[-1]
+        goto, out, match, moves = self.auto.goto, self.auto.out, self.match, self.moves
+        s, ds = self.state[-1], self.pstate[-1]
         before = self.nbytes[-1]
+        self.text += self.raw[token]
         for k, (b, c) in enumerate(zip(self.lower[token], self.raw[token])):
             s = goto[s][b]
-            d, backs = step(d, c)
-            if out[s] or backs:
-                for back in sorted({*out[s], *backs}, reverse=True):
-                    at = self._refusable(before + k + 1 - back)
+            move = moves.get((ds, c)) or self._move(ds, c)
+            ds = move[0]
+            found = {before + k + 1 - length for length in out[s]} if out[s] else None
+            for i, waited, complete in move[1]:
+                found = found or set()
+                if waited:
+                    found |= match[i].starts(self.text, before + k, self.before, c)
+                if complete:
+                    found |= match[i].starts(self.text, before + k + 1, self.before, None)
+            if found:
+                for start in sorted(found):
+                    at = self._refusable(start)
                     if at is not None:
+                        del self.text[before:]
                         return at
         self.state.append(s)
-        self.pstate.append(d)
+        self.pstate.append(ds)
         self.nbytes.append(before + len(self.raw[token]))
         return None
+
+    def _move(self, ds: tuple[int, ...], c: int) -> tuple[tuple[int, ...], tuple]:
+        """Every pattern's matcher reads byte c: (their next states, (pattern, waited, complete) for each one whose
+        move completes a match). Kept per (states, byte), so a byte costs one look-up for all the patterns; the
+        table is emptied when it grows past MOVES (the matchers keep their own)."""
+        nxt, hits = [], []
+        for i, (m, d) in enumerate(zip(self.match, ds)):
+            d, waited, complete = m.step(d, c)
+            nxt.append(d)
+            if waited or complete:
+                hits.append((i, waited, complete))
+        if len(self.moves) >= MOVES:
+            self.moves.clear()
+        move = self.moves[ds, c] = tuple(nxt), tuple(hits)
+        return move
 
     def _refusable(self, start: int) -> int | None:
         """The position of the token holding byte `start` (where a match begins), or None when it has been refused
@@ -279,8 +361,12 @@ class Bans:
         in a word boundary (`cat\\b` at the very end), else None."""
         if self.match is None:
             return None
-        for age in self.match.ends(self.pstate[-1]):
-            at = self._refusable(self.nbytes[-1] - age)
+        found = set()
+        for m, d in zip(self.match, self.pstate[-1]):
+            if m.waits(d):
+                found |= m.starts(self.text, len(self.text), self.before, ord(" "))
+        for start in sorted(found):
+            at = self._refusable(start)
             if at is not None:
                 return at
         return None
@@ -291,6 +377,7 @@ class Bans:
         del self.nbytes[s - self.floor + 1 :]
         if self.match is not None:
             del self.pstate[s - self.floor + 1 :]
+            del self.text[self.nbytes[-1] :]
         for p in [p for p in self.excl if p > s]:
             del self.excl[p]
         self.excl.setdefault(s, set()).add(token)
@@ -302,9 +389,10 @@ class Bans:
         if everything:
             self.final = n
             return n
-        idle = self.match.idle if self.match is not None else None
+        match = self.match
         for p in range(n, self.final, -1):
-            if self.state[p - self.floor] == 0 and (idle is None or idle[self.pstate[p - self.floor]]):
+            if self.state[p - self.floor] == 0 and (match is None or all(
+                    m.idle[d] for m, d in zip(match, self.pstate[p - self.floor]))):
                 self.final = p
                 break
         return self.final
