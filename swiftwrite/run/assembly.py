@@ -65,7 +65,7 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
     """Everything about the model short of its weights: files, configuration, device, dtype, tokenizer."""
     if ref is None:
         check_gguf_header(Path(cfg.model).expanduser())
-        ref = resolve(cfg.model, log=display.info)
+        ref = resolve(cfg.model, log=display.info, device=cfg.device)
     device, dtype = pick_device(cfg.device, cfg.dtype, display.info)
     threads = cfg.threads
     if cfg.tp > 1 and device == "cpu" and not threads:
