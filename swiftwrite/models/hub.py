@@ -151,8 +151,8 @@ class Choice:
 def listing(repo: str) -> Listing:
     """The repository's files with sizes and LFS sha256, at its current commit."""
     if offline():
-        raise UserError(f"{repo} is not here and HF_HUB_OFFLINE is set; pull it once with the network "
-                        f"(`swiftwrite models pull {repo}`), or run a model that is here (`swiftwrite models list`).")
+        raise UserError(f"{repo} is not here and HF_HUB_OFFLINE is set; pull it once with the network, or run a "
+                        "model that is here (`swiftwrite models list`).")
     with hub_errors(repo):
         info = hf.HfApi(endpoint=endpoint(), token=_token(), library_name="swiftwrite",
                         library_version=__version__).model_info(repo, files_metadata=True, timeout=TIMEOUT_S)
@@ -289,15 +289,14 @@ def _partial(repo: str, f: HubFile) -> Path | None:
 
 
 def metadata(repo: str, commit: str, f: HubFile) -> "hf.HfFileMetadata":
-    """The file's ETag, size and location (a HEAD request): asked for every file before a byte is downloaded, so
-    a gated repository is refused before the pull is announced."""
+    """The file's ETag, size and location (a HEAD request; where the Hub redirects to a CDN, its signed URL)."""
     url = hf.hf_hub_url(repo, f.name, revision=commit, endpoint=endpoint())
     with hub_errors(repo, f.name):
         return hf.get_hf_file_metadata(url, token=_token(), timeout=TIMEOUT_S, endpoint=endpoint(),
                                        library_name="swiftwrite", library_version=__version__)
 
 
-def fetch(repo: str, commit: str, f: HubFile, meta: "hf.HfFileMetadata | None" = None) -> Path:
+def fetch(repo: str, commit: str, f: HubFile) -> Path:
     """One file into huggingface_hub's cache: found there, or downloaded (continuing a partial file), checked
     against the listing's size and SHA-256, then placed as huggingface_hub places it."""
     dest = pointer(repo, commit, f.name)
@@ -305,7 +304,7 @@ def fetch(repo: str, commit: str, f: HubFile, meta: "hf.HfFileMetadata | None" =
         return dest
     url = hf.hf_hub_url(repo, f.name, revision=commit, endpoint=endpoint())
     headers = build_hf_headers(token=_token(), library_name="swiftwrite", library_version=__version__)
-    meta = meta or metadata(repo, commit, f)
+    meta = metadata(repo, commit, f)
     if not meta.etag:
         raise UserError(f"{endpoint()} sent no ETag for {f.name}; HF_ENDPOINT must point at a Hugging Face Hub.")
     size = meta.size if meta.size is not None else f.size
@@ -428,8 +427,9 @@ def pull_files(name: HubName, log=lambda msg: None, checkpoint: bool = False) ->
     lst = listing(name.repo)
     choice = choose(lst, name.quant, checkpoint)
     need = missing(lst, choice)
-    metas = {f.name: metadata(lst.repo, lst.commit, f) for f in choice.files
-             if not pointer(lst.repo, lst.commit, f.name).exists()}
+    for f in choice.files:  # every file's HEAD first: a gated repository is refused before the pull is announced
+        if not pointer(lst.repo, lst.commit, f.name).exists():
+            metadata(lst.repo, lst.commit, f)
     what = (f"{len(choice.files)} files of {name.repo}" if choice.kind == "checkpoint" else
             choice.files[0].name + (f" (+{len(choice.files) - 1} parts)" if len(choice.files) > 1 else ""))
     if need:
@@ -437,7 +437,8 @@ def pull_files(name: HubName, log=lambda msg: None, checkpoint: bool = False) ->
         log(f"pulling {what} from {endpoint()}/{name.repo} ({_gb(choice.size)}"
             + (f", {_gb(choice.size - need)} already here" if need < choice.size else "") + ")")
     started = time.monotonic()
-    paths = [fetch(lst.repo, lst.commit, f, metas.get(f.name)) for f in choice.files]
+    # each file's metadata asked again right before its download: a CDN's signed URL expires while others download
+    paths = [fetch(lst.repo, lst.commit, f) for f in choice.files]
     if need:
         log(f"pulled {_gb(need)} in {time.monotonic() - started:.0f} s into {repo_dir(name.repo)}")
     return lst, choice, paths
