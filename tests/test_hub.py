@@ -305,7 +305,8 @@ def test_cli_pull_then_generate_on_llama_cpp_and_the_run_records_the_repository(
     p = sw(env, "models", "pull", f"{GGUF}:Q8_0")
     assert p.returncode == 0, p.stderr
     gets = len(mock.gets("tiny-Q8_0.gguf"))
-    assert sw(env, "models", "pull", f"{GGUF}:Q8_0").returncode == 0 and len(mock.gets("tiny-Q8_0.gguf")) == gets
+    store.pull(f"{GGUF}:Q8_0")  # in this process (the same homes): the second pull downloads nothing
+    assert len(mock.gets("tiny-Q8_0.gguf")) == gets
     (tmp_path / "prompt.txt").write_text("abc")
     g = sw(env, "generate", "prompt.txt", "--model", f"{GGUF}:Q8_0", "--backend", "ggml", "--tokens", 16, "--raw",
            "--run-dir", "run", "--quiet", cwd=tmp_path)
@@ -316,6 +317,11 @@ def test_cli_pull_then_generate_on_llama_cpp_and_the_run_records_the_repository(
     assert meta["model"]["commit"] == mock.repos[GGUF].commit
     listed = sw(env, "models", "list")
     assert f"{GGUF}:Q8_0" in listed.stdout and "llama.cpp" in listed.stdout
+    # the repository's file changes (a new commit) and the model is pulled anew: resume refuses it
+    mock.add(GGUF, {"tiny-Q8_0.gguf": mock.repos[GGUF].files["tiny-Q4_0.gguf"]})
+    store.remove(f"{GGUF}:Q8_0")
+    r = sw(env, "resume", "run", "--tokens", 24, "--quiet", cwd=tmp_path)
+    assert r.returncode == 1 and "written with another model" in r.stderr, r.stderr
 
 
 @pytest.mark.slow
