@@ -2,7 +2,8 @@
 
 `GET /api/models/{repo}` (the listing: commit, files with sizes, LFS sha256 and git blob ids), `HEAD` and `GET`
 `/{repo}/resolve/{revision}/{file}` (ETag, X-Repo-Commit, Content-Length, byte ranges), and the Hub's errors
-(401 for a gated repository, 404 with its X-Error-Code for a missing repository or file). Faults a test sets:
+(401 for a gated repository without the token `TOKEN`, and for any other token; 404 with its X-Error-Code for a
+missing repository or file). Faults a test sets:
 `cut` (the next GET of a file sends half of it and drops the connection; later ones get 503 until cleared),
 `stall` (a GET sends half, then waits until `release()`), `bad_sha` (the listing's sha256 is another file's).
 Every request is kept in `requests` (method, path, the range's first byte, bytes sent)."""
@@ -19,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlparse
 
 LFS_SUFFIXES = (".gguf", ".safetensors")
+TOKEN = "hf_mock_token"  # the one token this Hub knows: it opens the gated repositories
 
 
 @dataclass
@@ -94,6 +96,9 @@ class MockHub:
 
     def _answer(self, h: BaseHTTPRequestHandler, head: bool) -> None:
         path = unquote(urlparse(h.path).path)
+        auth = h.headers.get("Authorization")
+        if auth and auth != f"Bearer {TOKEN}":  # as the Hub answers a token it does not know
+            return self._error(h, 401, None, head, message="Invalid credentials in Authorization header")
         m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/[^/]+)?", path)
         if m and not head:
             return self._listing(h, m.group(1))
@@ -102,12 +107,15 @@ class MockHub:
             return self._file(h, m.group(1), m.group(3), head)
         self._error(h, 404, None, head)
 
-    def _error(self, h, status: int, code: str | None, head: bool, commit: str | None = None) -> None:
-        body = json.dumps({"error": code or "not found"}).encode()
+    def _error(self, h, status: int, code: str | None, head: bool, commit: str | None = None,
+               message: str | None = None) -> None:
+        body = json.dumps({"error": message or code or "not found"}).encode()
         self.requests.append(Seen("HEAD" if head else "GET", h.path, None, 0))  # before the answer: a client reads it
         h.send_response(status)
         if code:
             h.send_header("X-Error-Code", code)
+        if message:
+            h.send_header("X-Error-Message", message)
         if commit:
             h.send_header("X-Repo-Commit", commit)
         h.send_header("Content-Type", "application/json")
@@ -140,7 +148,7 @@ class MockHub:
         repo = self.repos.get(name)
         if repo is None:
             return self._error(h, 404, "RepoNotFound", head)
-        if repo.gated:
+        if repo.gated and h.headers.get("Authorization") != f"Bearer {TOKEN}":
             return self._error(h, 401, "GatedRepo", head)
         data = repo.files.get(fname)
         if data is None:

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from gguf_tiny import write_gguf
+import mockhub
 from mockhub import MockHub
 from swiftwrite.base.errors import UsageError, UserError
 from swiftwrite.base.modelconfig import SUPPORTED_ARCHS
@@ -244,6 +245,15 @@ def test_gated_and_missing_are_one_sentence_each(mock, tmp_path, name, words):
     assert looks_like_a_model(tmp_path) == []
 
 
+def test_hf_token_opens_a_gated_repository_and_a_token_the_hub_refuses_is_one_sentence(mock, files, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_not_known")
+    with pytest.raises(UserError, match="refused the token .* set HF_TOKEN to a valid token"):
+        store.pull(f"{GATED}:Q4_K_M")
+    monkeypatch.setenv("HF_TOKEN", mockhub.TOKEN)
+    d = store.pull(f"{GATED}:Q4_K_M")
+    assert (d / GGUF_FILE).read_bytes() == files[GATED]["gated-Q4_K_M.gguf"]
+
+
 def test_a_disk_too_small_is_refused_before_a_byte_is_downloaded(mock, tmp_path, monkeypatch):
     monkeypatch.setattr(hub, "free_bytes", lambda path: 1000)
     with pytest.raises(UserError, match=r"needs 0\.\d MB free in .*hf.*, and 0\.0 MB is free there"):
@@ -269,7 +279,7 @@ def test_an_unreachable_hub_is_refused_within_10_seconds(mock, tmp_path, monkeyp
     assert time.monotonic() - t < 10 and looks_like_a_model(tmp_path) == []
 
 
-def test_an_alias_of_the_users_own_pulls_its_gguf_and_rm_frees_it(mock, files, tmp_path):
+def test_an_alias_of_the_users_own_pulls_its_gguf_or_checkpoint_by_device_and_rm_frees_them(mock, files, tmp_path):
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "models.yaml").write_text(yaml.safe_dump(
         {"tiny": {"upstream": CHECKPOINT, "gguf_repo": GGUF, "quant": "Q8_0", "arch": "llama"}}))
@@ -277,9 +287,13 @@ def test_an_alias_of_the_users_own_pulls_its_gguf_and_rm_frees_it(mock, files, t
     ref = store.resolve("tiny", device="cpu")
     assert (ref.path / GGUF_FILE).read_bytes() == files[GGUF]["tiny-Q8_0.gguf"] and ref.origin["quant"] == "Q8_0"
     assert [r.name for r in store.pulled() if r.path == ref.path] == ["tiny"]
+    on_gpu = store.pull("tiny", device="cuda")  # a GPU reads the upstream checkpoint
+    assert (on_gpu / "config.json").is_file() and on_gpu.parent == hub.repo_dir(CHECKPOINT) / "snapshots"
+    assert store.locate("tiny", "cuda") == on_gpu and store.locate("tiny", "cpu") == ref.path
     gone, freed = store.remove("tiny")
     size = len(files[GGUF]["tiny-Q8_0.gguf"])
-    assert size <= freed < 2 * size  # the store's link and the cache's blob are one file, counted once
+    checkpoint = sum(len(files[CHECKPOINT][f]) for f in ("config.json", "tokenizer.json", "model.safetensors"))
+    assert size + checkpoint <= freed < 2 * size + checkpoint  # the store's link and the blob: one file, counted once
     assert store.locate("tiny", "cpu") is None and looks_like_a_model(tmp_path) == []
     with pytest.raises(UserError, match="no model named"):
         store.remove("tiny")

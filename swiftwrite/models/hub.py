@@ -225,6 +225,9 @@ class hub_errors:
         page = f"{endpoint()}/{self.repo}"
         status = getattr(getattr(e, "response", None), "status_code", None)
         what = f"{self.file} from {self.repo}" if self.file else self.repo
+        if status == 401 and "Invalid credentials" in str(e):
+            return (f"the Hub refused the token for {self.repo} (401, invalid credentials): set HF_TOKEN to a valid "
+                    f"token (or run `hf auth login` again), then pull again.")
         if isinstance(e, hf_errors.GatedRepoError) or status in (401, 403):
             return (f"{self.repo} is gated or private and this machine has no access to it ({status}): accept its "
                     f"terms on {page} with your account, then set HF_TOKEN to a token of it (or run `hf auth login`) "
