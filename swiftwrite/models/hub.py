@@ -9,7 +9,7 @@ file pulled here serves other tools.
 
 One thing is our own: the download itself. huggingface_hub 2.x writes each download to a file named per process
 (`<etag>.<uuid>.incomplete`, its PR #4228) and deletes it when the process fails, so an interrupted 5 GB pull starts
-again from zero. Ours keeps `blobs/<etag>.incomplete` (the name huggingface_hub itself used before 2.0) under
+again from zero. Ours keeps `blobs/<etag>.incomplete` (the name older huggingface_hub releases resumed from) under
 huggingface_hub's own lock for that blob, writes every chunk as it arrives, and continues it with a range request
 the next time; the blob appears under its final name only once its size and SHA-256 match the Hub's record, so a
 half-downloaded file is never taken for a model.
@@ -107,7 +107,8 @@ def cache_dir() -> Path:
 
 
 def offline() -> bool:
-    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))  # as huggingface_hub reads them
 
 
 def _token() -> str | None:
@@ -241,9 +242,9 @@ class hub_errors:
                     "that is here (`swiftwrite models list`).")
         if isinstance(e, hf_errors.HfHubHTTPError) and status is not None:
             return f"the Hub answered {status} for {what} ({first_line(e, 80)}); try again later."
-        return (f"the Hugging Face Hub ({endpoint()}) cannot be reached for {what} ({first_line(e, 100) or type(e).__name__}); "
-                "connect to the network (or set HF_ENDPOINT to a mirror), or run a model that is here "
-                "(`swiftwrite models list`).")
+        why = first_line(e, 100) or type(e).__name__
+        return (f"the Hugging Face Hub ({endpoint()}) cannot be reached for {what} ({why}); connect to the network "
+                "(or set HF_ENDPOINT to a mirror), or run a model that is here (`swiftwrite models list`).")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -395,14 +396,6 @@ def _matches(path: Path, f: HubFile) -> bool:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest() == (f.sha256 or f.blob_id)
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _place(storage: Path, blob: Path, dest: Path, commit: str) -> None:

