@@ -208,6 +208,15 @@ def test_a_checkpoint_pull_fetches_config_tokenizer_and_weights_only(mock, files
     assert ref.path == d and ref.origin == {"repo": CHECKPOINT, "commit": mock.repos[CHECKPOINT].commit}
 
 
+def test_a_split_gguf_is_downloaded_whole_and_its_run_refused_in_one_sentence(mock):
+    parts = {f"big-Q4_K_M-0000{i}-of-00002.gguf": os.urandom(5000 + i) for i in (1, 2)}
+    mock.add("org/split-GGUF", parts)
+    with pytest.raises(UserError, match="split GGUF .*llama-gguf-split --merge"):
+        store.pull("org/split-GGUF")
+    snap = hub.repo_dir("org/split-GGUF") / "snapshots" / mock.repos["org/split-GGUF"].commit
+    assert {p.name: p.read_bytes() for p in snap.iterdir()} == parts
+
+
 def test_a_cut_connection_is_one_sentence_and_the_next_pull_continues_from_the_bytes_on_disk(mock, files, tmp_path):
     data = files[GGUF]["tiny-Q8_0.gguf"]
     mock.faults["tiny-Q8_0.gguf"] = "cut"
