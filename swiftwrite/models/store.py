@@ -180,9 +180,15 @@ def import_gguf(gguf_path: Path, name: str, source: str, log=lambda msg: None, d
         if hub_origin:
             meta["hub"] = hub_origin
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        if (dest / META_FILE).is_file():  # another process (a batch's other worker) finished first: its entry stands,
+            return dest                   # it may be reading it already
         if dest.exists():
             shutil.rmtree(dest)
-        os.replace(tmp, dest)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not (dest / META_FILE).is_file():  # not a race lost to a complete entry: the disk said no
+                raise
         return dest
     except OSError as e:
         raise UserError(f"writing the converted model to {dest.parent} failed ({e.strerror}); free space or set SWIFTWRITE_HOME.") from None
