@@ -355,7 +355,8 @@ def _get_range(url: str, headers: dict, part: Path, done: int, size: int, name: 
     """GET the bytes from `done` on (a range request when done > 0) with huggingface_hub's session, appending
     each chunk as it arrives: a kill loses what the kernel was not given yet, never what is on disk."""
     asked = dict(headers, **({"Range": f"bytes={done}-"} if done else {}), **{"Accept-Encoding": "identity"})
-    bar = tqdm(total=size, initial=done, unit="B", unit_scale=True, unit_divisor=1024, desc=name[-40:],
+    # bytes, speed and ETA on a terminal only (stderr in a pipe stays clean); units of 1000, as the log line says sizes
+    bar = tqdm(total=size, initial=done, unit="B", unit_scale=True, unit_divisor=1000, desc=name[-40:],
                file=sys.stderr, disable=not sys.stderr.isatty(), leave=False)
     try:
         with get_session().stream("GET", url, headers=asked, timeout=TIMEOUT_S, follow_redirects=True) as r:
