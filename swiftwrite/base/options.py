@@ -214,6 +214,13 @@ BENCH: tuple[Option, ...] = (
     Option("out", Path, None, "DIR", "Directory for bench.json and bench.md."),
 )
 
+MODELS_PULL: tuple[Option, ...] = (
+    # auto: cuda where a GPU is here (the run's own --device rule); an alias's GGUF runs on llama.cpp on a CPU, its
+    # upstream checkpoint in bfloat16 on a GPU
+    Option("device", str, "auto", "NAME", "Where it will run: cpu pulls an alias's GGUF, cuda its upstream checkpoint "
+           "(default auto: cuda when a GPU is here)."),
+)
+
 TRAIN_HEADS: tuple[Option, ...] = (  # train_heads.train takes its defaults from here
     Option("model", str, "smollm2-135m", "NAME",
            "The model to train heads for (any --model form; default smollm2-135m)."),

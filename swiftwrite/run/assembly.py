@@ -27,6 +27,7 @@ from ..decoding.bans import Bans, PhraseError, check_phrases
 from ..decoding.budget import MAX_BUDGET
 from ..decoding.curves import Curves
 from ..decoding.engine import SOURCES, Engine, make_sources
+from ..decoding import tokenswift
 from ..decoding.heads import HeadsDrafter, HeadsError, TwoPassHeadsDrafter, default_heads_path, load_heads
 from ..decoding.repetition import DrySettings
 from ..decoding.sampling import Sampler, SamplerSettings
@@ -64,7 +65,7 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
     """Everything about the model short of its weights: files, configuration, device, dtype, tokenizer."""
     if ref is None:
         check_gguf_header(Path(cfg.model).expanduser())
-        ref = resolve(cfg.model, log=display.info)
+        ref = resolve(cfg.model, log=display.info, device=cfg.device)
     device, dtype = pick_device(cfg.device, cfg.dtype, display.info)
     threads = cfg.threads
     if cfg.tp > 1 and device == "cpu" and not threads:
@@ -302,7 +303,8 @@ def load_head_drafter(lm: Loaded, required: bool, display: Display, cfg: Config 
     elif not able.lean:
         why = (f"multi-token heads need the lean forward, and {lm.ref.name} ('{lm.mcfg.arch}') runs through "
                "transformers; use --draft all or recycling.")
-    elif (path := default_heads_path(lm.ref.fingerprint)) is None:
+    elif (path := default_heads_path(lm.ref.fingerprint)
+          or tokenswift.heads_file(lm.ref.path, lm.ref.fingerprint)) is None:  # a TokenSwift checkpoint's own
         why = (f"no trained heads match {lm.ref.name}; train them with `swiftwrite train-heads --model {lm.ref.name} "
                "--self-distill` or use --draft all.")
     if why and required:
