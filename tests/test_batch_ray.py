@@ -289,6 +289,10 @@ def test_a_head_that_finds_no_token_here_or_refuses_ours_is_refused_in_one_sente
     err = refused(tmp_path, address, f"the Ray cluster at {address} asks for its authentication token, and Ray finds "
                   "none here", clean_env(HOME=str(tmp_path / "home")))
     assert "~/.ray/auth_token" in err and "RAY_AUTH_TOKEN_PATH" in err and "RAY_AUTH_TOKEN" in err, err
+    p = sw("batch", "jobs.jsonl", "--out-dir", "b", "--ray", address, "--verbose", cwd=tmp_path,
+           env=clean_env(HOME=str(tmp_path / "home")), timeout=120)
+    lines = p.stderr.decode().splitlines()  # with --verbose, Ray's own lines first (its GCS client's), then ours
+    assert p.returncode == 1 and any("gcs_client" in line for line in lines) and lines[-1] == err.strip(), lines
     wrong = secrets.token_hex(32)
     err = refused(tmp_path, address, f"the Ray cluster at {address} refused the authentication token in RAY_AUTH_TOKEN",
                   clean_env(HOME=str(cluster["home"]), RAY_AUTH_TOKEN=wrong))  # Ray reads the variable first

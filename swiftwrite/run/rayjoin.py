@@ -69,7 +69,7 @@ def connected(address: str | None, cores: int, verbose: bool = False):
         yield None
         return
     ray = import_ray()
-    # the actors' own output stays in Ray's logs: what a document says comes back with its result
+    # the actors' own output stays in Ray's logs unless --verbose: what a document says comes back with its result
     said = {"log_to_driver": True, "logging_level": logging.INFO} if verbose else \
         {"log_to_driver": False, "logging_level": logging.ERROR}
     with ray_quiet(verbose):
