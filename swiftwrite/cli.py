@@ -26,7 +26,7 @@ from .base import config as config_mod
 from .base import options, rules
 from .base.errors import RankLost, UsageError, UserError
 from .base.options import OPTIONS, Option
-from .run import inputs
+from .run import inputs, rayjoin
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Write long documents with a local language model, faster, token for token unchanged.")
@@ -150,8 +150,9 @@ def batch(
     jobs_read = inputs.read_jobs(jobs, own.config, run, own.out_dir)  # every line checked before anything heavy
     if own.dry_run:
         raise typer.Exit(heavy().writer.show_batch_plan(jobs_read, own.out_dir, own.quiet, own.json))
+    rayjoin.check(own.ray, own.verbose)  # and the cluster: a refusal in a second or two, not after torch's import
     raise typer.Exit(heavy().batch.start(jobs_read, "standard input" if jobs == "-" else jobs, own.out_dir, own.quiet,
-                                         own.no_live, own.stats_json, parallel, own.ray))
+                                         own.no_live, own.stats_json, parallel, own.ray, own.verbose))
 
 
 def _check_json(own) -> None:
@@ -173,7 +174,7 @@ def _parallel(text: str, ray: str | None) -> int | str:
 
 
 def _check_ray(address: str | None) -> None:
-    """--ray's address, where given, is not empty (its form and whether it answers: raypool.connected)."""
+    """--ray's address, where given, is not empty (its form and whether its head takes us: rayjoin.check)."""
     if address is not None and not address.strip():
         raise UsageError("--ray needs an address: HOST:PORT of a Ray cluster's head, auto, or local to start one here.")
 
@@ -219,7 +220,8 @@ def _resume_batch(out_dir: Path, o: SimpleNamespace) -> None:
             raise UsageError(f"{config_mod.flag(name)} applies to one run; {out_dir} is a batch: resume one of its "
                              f"documents with `swiftwrite resume {out_dir}/runs/NAME {config_mod.flag(name)} ...`.")
     _check_ray(o.ray)
-    raise typer.Exit(heavy().batch.resume(out_dir, o.quiet, o.no_live, o.stats_json, o.ray))
+    rayjoin.check(o.ray, o.verbose)
+    raise typer.Exit(heavy().batch.resume(out_dir, o.quiet, o.no_live, o.stats_json, o.ray, o.verbose))
 
 
 @app.command()
