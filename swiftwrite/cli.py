@@ -26,7 +26,8 @@ from .base import config as config_mod
 from .base import options, rules
 from .base.errors import RankLost, UsageError, UserError
 from .base.options import OPTIONS, Option
-from .run import inputs, rayjoin
+from .batch import rayjoin
+from .run import inputs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Write long documents with a local language model, faster, token for token unchanged.")
@@ -42,7 +43,9 @@ def heavy() -> SimpleNamespace:
     # heavy (torch): imported on a command's first use
     from .io import ui
     from .models import store
-    from .run import batch, bench, ranks, writer
+    from .batch import batch
+    from .bench import bench
+    from .run import ranks, writer
     from .training import train_heads
 
     return SimpleNamespace(batch=batch, bench=bench, ranks=ranks, store=store, train_heads=train_heads, ui=ui,

@@ -32,7 +32,7 @@ import pytest
 
 from gates import Holds
 from swiftwrite.base.errors import UserError
-from swiftwrite.run import batch as batch_mod
+from swiftwrite.batch import batch as batch_mod
 from test_batch_cli import CHUNK, JOBS, T, assert_solo, solo, work  # noqa: F401 (fixtures: the jobs, their solo runs)
 from test_cli import Background, clean_env, state_tokens, sw
 

@@ -28,12 +28,12 @@ from pathlib import Path
 from ..base.machine import cores
 from ..io.batchdir import BatchDir
 from ..io.ui import BatchProgress, Display, Progress
+from ..run.inputs import Job, check_writable
+from ..run.runstats import write_stats_json
 from . import howmany
-from .inputs import Job, check_writable
 from .pool import Pool
 from .rayjoin import connected
 from .raypool import RayPool
-from .runstats import write_stats_json
 from .workers import INTERRUPTED, LOOPED, WRITTEN, DocumentDisplay, Models, Task, write_document
 
 ENDED = ("done", "stopped")  # what a resume leaves alone: written to its target, or ended at a loop by the user's rule
