@@ -16,7 +16,10 @@ Then, in fresh processes (so each peak resident memory is its own), one after th
   2. `swiftwrite generate --backend ggml` (the same kernels behind our engine);
   3. with --torch: `swiftwrite generate --backend torch --weights int4`, twice (the first run quantizes the GGUF to
      the int4 kernel's layout a layer at a time; the second reads the stored int4 file).
-  4. with --auto: `swiftwrite generate` with the default `--backend auto`, twice, in a store of its own: the first
+  4. with --window 131072 --planned (Llama-3.1's window): `swiftwrite generate --dry-run --json` with default
+     settings, then the same run for real in a store of its own: the context the plan chose and why, its memory
+     figure against the run's peak resident memory.
+  5. with --auto: `swiftwrite generate` with the default `--backend auto`, twice, in a store of its own: the first
      run probes llama.cpp, times its two loadings and prices torch from models of its first 1 and 8 layers (since
      2026-12-07: before, it converted the whole GGUF to int4 to time it), the second reads what the first kept.
      The times it kept (milliseconds a step) are in the report.
@@ -148,6 +151,36 @@ def run_once(d: Path, prompt: Path, tokens: int, threads: int, stats: Path, back
     return row
 
 
+def planned_against_run(d: Path, prompt: Path, tokens: int) -> dict:
+    """--dry-run's plan of a default run, then the run (in a store of its own: the first run here, backend timed),
+    its peak resident memory beside the plan's figure."""
+    home = d / "home-planned"
+    shutil.rmtree(home, ignore_errors=True)
+    env = {**os.environ, "SWIFTWRITE_HOME": str(home)}
+    base = [sys.executable, "-m", "swiftwrite.cli", "generate", str(prompt), "--model", str(d), "--tokens", str(tokens)]
+    dry = subprocess.run(base + ["--dry-run", "--json"], cwd=ROOT, capture_output=True, env=env, text=True)
+    if dry.returncode != 0:
+        return {"dry_run_rc": dry.returncode, "stderr_tail": dry.stderr[-600:]}
+    plan = json.loads(dry.stdout)
+    stats = d / "stats-planned.json"
+    cmd = base + ["--run-dir", str(d / "run-planned"), "--stats-json", str(stats), "--quiet", "--out",
+                  str(d / "planned.txt")]
+    shutil.rmtree(d / "run-planned", ignore_errors=True)
+    err = open(d / "planned.stderr", "w+")
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, env=env)
+    rc, peak = common.wait_child(p.pid)
+    err.seek(0)
+    row = {"plan": {k: plan[k] for k in ("context", "window", "backend", "memory", "notes", "rebuild_every")},
+           "rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "peak_rss_bytes": peak,
+           "peak_over_plan": round(peak / plan["memory"]["total"], 3), "stderr_tail": err.read()[-1500:]}
+    if rc == 0:
+        s = json.loads(stats.read_text())
+        row.update(tokens=s["tokens"], tok_s=s["tokens_per_second"], context=s["resolved"]["context"],
+                   backend=s["backend"])
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -160,10 +193,15 @@ def main() -> None:
     ap.add_argument("--auto", action="store_true",
                     help="also run the default --backend auto twice in a store of its own: the first run probes "
                          "llama.cpp and times both backends, the second reads what the first kept")
+    ap.add_argument("--window", type=int, default=SHAPE["context"],
+                    help="the model's positions (131072: Llama-3.1's window); default %(default)s")
+    ap.add_argument("--planned", action="store_true",
+                    help="only the plan against the run: --dry-run, then generate with default settings")
     ap.add_argument("--peer", type=Path, help=argparse.SUPPRESS)  # the llama.cpp child (run_once)
     a = ap.parse_args()
     if a.peer:
         return peer(a.peer, a.tokens, a.threads, Path(a.out))
+    SHAPE["context"] = a.window
 
     from swiftwrite.tensors import quant
     from swiftwrite.models import store
@@ -183,6 +221,14 @@ def main() -> None:
         "settings": {"tokens": a.tokens, "threads": a.threads, "draft": "none", "greedy": True, "penalty": "off"},
         "runs": [],
     }
+    if a.planned:
+        report["settings"] = {"tokens": a.tokens, "everything else": "default"}
+        report["planned"] = planned_against_run(d, prompt, a.tokens)
+        common.write_report(a.out, report, indent=2, newline=True)
+        print(json.dumps(report["planned"], indent=2))
+        if not a.keep:
+            shutil.rmtree(d, ignore_errors=True)
+        return
     runs = [("llama.cpp", "llama.cpp plain (the peer)"), ("ggml", "swiftwrite --backend ggml")]
     if a.torch:
         runs += [("torch", "swiftwrite --backend torch --weights int4, first (quantizes the GGUF)"),

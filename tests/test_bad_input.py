@@ -269,7 +269,7 @@ def snapshot(root: Path) -> dict[str, str]:
 def test_bad_input_fails_with_one_sentence_and_leaves_nothing(world, tmp_path, case_id, argv, code, stdin):
     run = tmp_path / "run"
     paths = {k: str(v) for k, v in world.items()} | {"run": str(run)}
-    env = dict(os.environ)
+    env = dict(os.environ, HF_HUB_OFFLINE="1")  # no case reaches the internet: a Hub name not here is refused offline
     args = []
     for a in argv:
         if "=" in a and a.split("=")[0].startswith("SWIFTWRITE_"):
@@ -443,8 +443,9 @@ def test_float32_weights_that_do_not_fit_fall_back_to_bfloat16_and_the_run_recor
 
 def test_weights_and_kv_cache_are_checked_against_gpu_memory(monkeypatch, tmp_path):
     """On CUDA the free memory is the GPU's (torch.cuda.mem_get_info); weights already loaded are not counted
-    twice. torch.cuda is asked, not used."""
-    from swiftwrite.run import devices, assembly
+    twice. A context asked for that does not fit is refused with one that does; without --context the most that
+    fits runs, said in one line. torch.cuda is asked, not used."""
+    from swiftwrite.run import devices, assembly, runplan
     from tiny import tiny_hf_model
 
     path, _ = tiny_hf_model("llama", out_dir=tmp_path / "m", max_position_embeddings=4096)
@@ -456,11 +457,18 @@ def test_weights_and_kv_cache_are_checked_against_gpu_memory(monkeypatch, tmp_pa
     lm = assembly.open_model(Config(model=str(path), device="cuda", attention="torch"), Said())
     assert lm.dtype == torch.bfloat16  # auto, on a GPU that computes in bfloat16
     weights = devices.weight_bytes(lm.mcfg, lm.dtype)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (weights + 10_000, 80 << 30))
+    full = runplan.memory(lm, 4096)
+    assert full.weights == weights
+    half = weights + runplan.MIN_HEADROOM + (full.kv + full.buffers) // 2  # half the window's cache fits
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (half, 80 << 30))
     with pytest.raises(Exception, match=r"the weights .* and the KV cache .* free on the GPU; use --context \d+ or less"):
-        assembly.make_window(Config(), lm, 8, Said())
+        assembly.make_window(Config(context=4096), lm, 8, Said())  # asked for: refused with a number that fits
+    said = Said()
+    fitted = assembly.make_window(Config(), lm, 8, said).context  # not asked: the most that fits, said
+    assert 1024 < fitted < 4096 and len(said.lines) == 1 and "rebuilt every" in said.lines[0]
     lm.model = object()  # loaded: its weights are no longer free memory, and no longer needed
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (half - weights, 80 << 30))
     with pytest.raises(Exception, match=r"^the KV cache .* free on the GPU; use --context"):
-        assembly.make_window(Config(), lm, 8, Said())
+        assembly.make_window(Config(context=4096), lm, 8, Said())
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (80 << 30, 80 << 30))
     assert assembly.make_window(Config(), lm, 8, Said()).context == 4096

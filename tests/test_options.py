@@ -23,7 +23,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 # Config fields that are no option of `generate` (set by code, never by a user): none yet
 INTERNAL: set[str] = set()
 # `generate`'s parameters that are not settings of the run: where the text goes, how progress shows, the YAML file
-CLI_ONLY = {"prompt", "out", "run_dir", "config", "quiet", "no_live", "stats_json"}
+CLI_ONLY = {"prompt", "out", "run_dir", "config", "quiet", "no_live", "stats_json", "dry_run", "json"}
 # options whose row the README's table still lacks: each is an expected failure until the row is written
 README_PENDING: set[str] = set()
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from . import rules
 from .errors import UsageError
 from .machine import cores
 from .options import ATTENTIONS, BY_NAME, OPTIONS
@@ -103,8 +104,8 @@ class Config:
         need(all(isinstance(p, str) and p.strip() for p in self.ban), "ban",
              "has an empty phrase; every banned phrase needs a visible character")
         check_patterns(self.ban_pattern, where.get("ban_pattern", "--ban-pattern"))
-        need(not (self.backend.startswith("ggml") and self.tp > 1), "backend",
-             "runs llama.cpp in one process; drop --tp, or use --backend torch for tensor parallelism")
+        if self.backend.startswith("ggml") and self.tp > 1:
+            raise UsageError(rules.GGML_ONE_PROCESS)
         return self
 
     def _check_sampling(self, need) -> None:

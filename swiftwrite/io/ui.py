@@ -106,8 +106,9 @@ def dtype_name(dtype) -> str:
 class Display:
     """live: Rich panel; plain: a line every `every` seconds; quiet: nothing."""
 
-    def __init__(self, mode: str, every: float = 5.0):
+    def __init__(self, mode: str, every: float = 5.0, heard: list[str] | None = None):
         self.mode = mode
+        self.heard = heard  # where given, every info line is also kept here (--dry-run's notes)
         self.every = every
         self.console = Console(file=sys.stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False)
         self._live = None
@@ -121,6 +122,8 @@ class Display:
         return "live" if sys.stderr.isatty() and not no_live else "plain"
 
     def info(self, msg: str) -> None:
+        if self.heard is not None:
+            self.heard.append(msg)
         if self.mode == "quiet":
             return
         self.alert(msg)
@@ -223,6 +226,17 @@ class Display:
         t.add_row("checkpoints", f"{p.checkpoints}{ago}")
         tail = Text(p.tail[-240:].replace("\n", " ⏎ "), style="dim")
         return Panel(Group(bar, t, tail), title="swiftwrite", border_style="cyan")
+
+    def plan(self, rows: list[tuple[str, str, str]], title: str, header: tuple[str, str, str] = ("what", "plan", "why")
+             ) -> None:
+        """A run's plan (runplan.RunPlan.rows): what, the choice, why. Shown even with --quiet: it is what
+        --dry-run was asked for (its JSON goes to stdout)."""
+        t = Table(title=title, show_header=True, expand=False)
+        for name in header:
+            t.add_column(name)
+        for what, value, why in rows:
+            t.add_row(what, value, why)
+        Console(file=sys.stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, width=160).print(t)
 
     def summary(self, stats: dict) -> None:
         if self.mode == "quiet":

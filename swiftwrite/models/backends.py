@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..base import measurements
+from ..base import measurements, rules
 from ..base.errors import UserError
 from ..base.paths import GGUF_FILE, fingerprint
 from . import ggmlbinding, ggmlmodel, ggmlprobe
@@ -64,7 +64,7 @@ def why_not_ggml(cfg, model_dir: Path, device: str) -> str | None:
         return (f"the ggml backend runs GGUF models, and {model_dir} holds no GGUF (safetensors only); "
                 "use --backend torch, or give a .gguf file as --model.")
     if cfg.tp > 1:
-        return "the ggml backend runs in one process; drop --tp, or use --backend torch for tensor parallelism."
+        return rules.GGML_ONE_PROCESS
     if device != "cpu":
         return f"the ggml backend runs on the CPU here, and this run is on {device}; use --backend torch or --device cpu."
     if cfg.weights in ("int8", "int4"):
@@ -108,6 +108,15 @@ def load(name: str, model_dir: Path, threads: int, load_torch, load_ggml_model, 
     if name in LLAMA:
         return name, load_ggml_model(name)
     return measured(model_dir, threads, load_torch, load_ggml_model, price_torch, say)
+
+
+def kept_choice(name: str, model_fingerprint: str, threads: int) -> tuple[str, float | None]:
+    """What `name` will run as, read from the kept timings without loading anything (`auto` not yet timed here stays
+    "auto"), and the kept milliseconds of its plain step (None where none was kept)."""
+    times = measurements.kept(_path(), f"{model_fingerprint}/{threads}t/{machine_key()}", _times)
+    if name == "auto" and times is not None:
+        name = _fastest(times)
+    return name, (times or {}).get(name)
 
 
 def runs_torch_weights(name: str) -> bool:

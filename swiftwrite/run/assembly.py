@@ -27,6 +27,7 @@ from ..decoding.bans import Bans, PhraseError, check_phrases
 from ..decoding.budget import MAX_BUDGET
 from ..decoding.curves import Curves
 from ..decoding.engine import SOURCES, Engine, make_sources
+from ..decoding import tokenswift
 from ..decoding.heads import HeadsDrafter, HeadsError, TwoPassHeadsDrafter, default_heads_path, load_heads
 from ..decoding.repetition import DrySettings
 from ..decoding.sampling import Sampler, SamplerSettings
@@ -42,8 +43,7 @@ from ..models.modelfiles import check_gguf_header, load_tokenizer, model_config
 from ..models.parallel import check_divides
 from ..models.store import ModelRef, resolve, source_weights
 from ..tensors.exact import check
-from ..tensors.kvcache import KVCache
-from . import ranks, schedule
+from . import ranks, runplan, schedule
 from .devices import attention_notes, fit_dtype, free_memory, pick_device, pick_weights, quantized_option, weight_bytes
 from .records import Loaded, Resolved
 from .session import Limits, Session
@@ -65,7 +65,7 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
     """Everything about the model short of its weights: files, configuration, device, dtype, tokenizer."""
     if ref is None:
         check_gguf_header(Path(cfg.model).expanduser())
-        ref = resolve(cfg.model, log=display.info)
+        ref = resolve(cfg.model, log=display.info, device=cfg.device)
     device, dtype = pick_device(cfg.device, cfg.dtype, display.info)
     threads = cfg.threads
     if cfg.tp > 1 and device == "cpu" and not threads:
@@ -175,30 +175,12 @@ def load(cfg: Config, display: Display) -> Loaded:
 
 
 def make_window(cfg: Config, lm: Loaded, prompt_len: int, display: Display) -> "Window":
-    """The context the model attends to, checked against the prompt and free memory before any weight loads."""
-    limit = lm.mcfg.max_positions
-    if cfg.context > limit:
-        display.info(f"--context {cfg.context} is past the model's {limit} positions; using {limit}.")
-    context = min(cfg.context or limit, limit)
-    window = Window(context, prompt_len)
-    kv = KVCache.bytes_needed(lm.mcfg, context + 1 + MAX_BUDGET, lm.dtype) // lm.tp  # a rank holds 1/tp of the KV heads
-    # loaded weights are already not free; a tensor-parallel rank holds its shard
-    weights = 0 if lm.model is not None else backends.file_bytes(lm.backend, lm.ref.path) or \
-        weight_bytes(lm.mcfg, lm.dtype, lm.weights, lm.tp)
-    avail = free_memory(lm.device)
-    where = "in RAM" if lm.device == "cpu" else "on the GPU"
-    dtype = dtype_name(lm.dtype) if lm.weights == "float" else lm.weights
-    if avail is not None and weights > avail:
-        raise UserError(f"the model's {dtype} weights need {human_bytes(weights)} but only {human_bytes(avail)} is free "
-                        f"{where}; use a smaller model" + (", or --dtype bfloat16 (half the memory, another text)"
-                                                            if dtype == "float32" else "") + ".")
-    if avail is not None and weights + kv > avail:
-        per_token = kv / (context + 1 + MAX_BUDGET)
-        fits = max(256, int((avail - weights) * 0.8 / per_token))
-        what = f"the weights ({human_bytes(weights)}) and the KV cache ({human_bytes(kv)})" if weights else \
-            f"the KV cache ({human_bytes(kv)})"
-        raise UserError(f"{what} need more than the {human_bytes(avail)} free {where}; use --context {fits} or less.")
-    return window
+    """The context the model attends to (runplan.fit_context: the window, or the most that fits the free memory),
+    checked against the prompt and free memory before any weight loads."""
+    context, _, note = runplan.fit_context(cfg.context, lm, prompt_len)
+    if note:
+        display.info(f"context: {note}" if not note.startswith("--context") else note)
+    return Window(context, prompt_len)
 
 
 def dry_settings(cfg: Config, tok, vocab: int, start: int = 0) -> "DrySettings":
@@ -321,7 +303,8 @@ def load_head_drafter(lm: Loaded, required: bool, display: Display, cfg: Config 
     elif not able.lean:
         why = (f"multi-token heads need the lean forward, and {lm.ref.name} ('{lm.mcfg.arch}') runs through "
                "transformers; use --draft all or recycling.")
-    elif (path := default_heads_path(lm.ref.fingerprint)) is None:
+    elif (path := default_heads_path(lm.ref.fingerprint)
+          or tokenswift.heads_file(lm.ref.path, lm.ref.fingerprint)) is None:  # a TokenSwift checkpoint's own
         why = (f"no trained heads match {lm.ref.name}; train them with `swiftwrite train-heads --model {lm.ref.name} "
                "--self-distill` or use --draft all.")
     if why and required:
@@ -368,7 +351,10 @@ def fit_budget(engine: "Engine", lm: Loaded, upto: int | None = None) -> None:
 def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan | None, display: Display) -> Session:
     """The window over the model's positions, the weights, the engine and the outline's schedule, for a document
     whose prompt is `prompt_len` tokens: the same for a new run and a resumed one."""
-    window = make_window(cfg, lm, prompt_len + (plan.pin_max if plan else 0), display)
+    run_plan = runplan.make(cfg, lm, prompt_len + (plan.pin_max if plan else 0))
+    if (note := dict(run_plan.notes).get("context")) is not None:
+        display.info(note if note.startswith("--context") else f"context: {note}")
+    window = Window(run_plan.context, run_plan.prompt)
     if lm.model is None:
         load_weights(lm, display.info)
     engine, why = assemble_engine(cfg, lm, window, prompt_len + cfg.tokens, display, text_start_for(cfg, prompt_len))
@@ -378,8 +364,12 @@ def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan |
         engine.pin_context(prompt_len, sched.pin_at)
     # what a resume must run again: `auto` resolved (the dtype memory allowed, the backend timed here, the ranks'
     # thread share), as the run directory records it
+    # (and the context the free memory allowed where it is less than the model's window: a resume must rebuild
+    # the context at the same tokens)
+    fitted = window.context if window.context < min(cfg.context or lm.mcfg.max_positions, lm.mcfg.max_positions) \
+        else cfg.context
     settings = dataclasses.replace(cfg, dtype=dtype_name(lm.dtype), weights=lm.weights, backend=lm.backend,
-                                   threads=lm.threads).validate().to_dict()
+                                   threads=lm.threads, context=fitted).validate().to_dict()
     resolved = Resolved(model=lm.ref.name, fingerprint=lm.ref.fingerprint, device=lm.device, dtype=settings["dtype"],
                         weights=lm.weights, backend=lm.backend, attention=lm.attention, cuda_graphs=lm.cuda_graphs,
                         threads=lm.threads, tp=lm.tp, context=window.context,
@@ -387,7 +377,7 @@ def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan |
                         budget=str(engine.budget) if engine.budget is not None else "auto" if engine.sources else "none",
                         drafting_off=why, bans=len(engine.bans.phrases) + len(engine.bans.patterns) if engine.bans else 0)
     limits = Limits(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Limits)})  # as asked, not resolved
-    return Session(settings, limits, lm, engine, sched, display, resolved, curves_for(lm))
+    return Session(settings, limits, lm, engine, sched, display, resolved, curves_for(lm), plan=run_plan)
 
 
 def planning_engine(cfg: Config, lm: Loaded, prompt_len: int, context: int, capacity: int) -> Engine:

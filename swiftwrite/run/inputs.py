@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..base import rules
 from ..base.config import Config, resolve
 from ..base.errors import UsageError, UserError
 from ..base.patterns import PatternError, check_patterns
@@ -185,8 +186,7 @@ def _job(obj: dict, where: str, base: Path, config_file: Path | None, flags: dic
             options[key] = str(base / Path(options[key]).expanduser())
     cfg = resolve(config_file, flags, line=(where, options))
     if cfg.tp != 1:
-        raise UsageError(f"{where}: tp {cfg.tp}: a batch writes its documents in one process; drop tp (or run the "
-                         "document with `swiftwrite generate --tp`).")
+        raise UsageError(rules.batch_tp(where, cfg.tp))
     if cfg.plan_only:
         raise UsageError(f"{where}: plan_only writes an outline, not a document; plan it with `swiftwrite generate "
                          "--plan-only`, then give it as \"outline\".")

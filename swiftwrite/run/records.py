@@ -14,6 +14,27 @@ from ..models.forward import Forward
 from ..models.store import ModelRef
 
 
+@dataclass(frozen=True)
+class ModelPart:
+    """What a loaded model is: documents whose settings resolve to the same part share one model (a batch's cache
+    keys on it). Each field but `fingerprint` (the model's, for --model) is resolved from the run option of its
+    name, so the options a model depends on are read from this record, not listed again."""
+
+    fingerprint: str
+    device: str
+    dtype: str
+    weights: str
+    backend: str
+    threads: int
+    attention: str
+    cuda_graphs: bool
+    tp: int
+
+
+# the run options a model is opened from: --model, and one for each field of the model part
+MODEL_OPTIONS = ("model", *(f.name for f in dataclasses.fields(ModelPart) if f.name != "fingerprint"))
+
+
 @dataclass
 class Loaded:
     """The model as it is opened, then loaded: what the later steps of the assembly read."""
@@ -32,6 +53,11 @@ class Loaded:
     weights_note: str | None = None
     backend: str = "torch"  # torch | ggml (backends.py); auto until load_weights has timed both
     threads: int = 0  # CPU threads, fixed; 0: torch's default, governed by load (threads.py)
+
+    @property
+    def part(self) -> ModelPart:
+        return ModelPart(self.ref.fingerprint, self.device, str(self.dtype).removeprefix("torch."), self.weights,
+                         self.backend, self.threads, self.attention, self.cuda_graphs, self.tp)
 
 
 @dataclass(frozen=True)

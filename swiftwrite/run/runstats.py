@@ -39,6 +39,10 @@ class RunStats:
     distinct_at: float = 0.0  # perf_counter() of the last Distinct measurement
     backtracks: int = 0  # banned phrases: times decoding went back, every process of the run
     t0: float = field(default_factory=time.perf_counter)
+    # seconds and tokens per bucket of context length (runplan.BUCKET): what the next run's estimate reads
+    rate_seconds: dict[int, float] = field(default_factory=dict)
+    rate_tokens: dict[int, int] = field(default_factory=dict)
+    last_step: float = 0.0  # perf_counter() at the last step's end (0: none yet)
 
     @classmethod
     def of(cls, rd: RunDir, target: int, sources) -> RunStats:
@@ -66,6 +70,14 @@ class RunStats:
             for src in sources:
                 if mask >> src.id & 1:
                     self.per_source[src.name] += 1
+
+    def timed(self, bucket: int, n: int) -> None:
+        """The time since the last step (its forward, commit and checkpoint) to `n` tokens at this context bucket;
+        the first step's since the start of the loop."""
+        now = time.perf_counter()
+        self.rate_seconds[bucket] = self.rate_seconds.get(bucket, 0.0) + now - (self.last_step or self.t0)
+        self.rate_tokens[bucket] = self.rate_tokens.get(bucket, 0) + n
+        self.last_step = now
 
     def seconds(self) -> float:
         return time.perf_counter() - self.t0

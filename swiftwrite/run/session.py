@@ -9,6 +9,7 @@ stats JSON are all read from that one record.
 from __future__ import annotations
 
 import io
+import json
 import os
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..base.durable import atomic_write
 from ..base.errors import RankLost, UserError
 from ..base.machine import peak_rss
 from ..base.metrics import distinct, distinct_per_window, longest_repeat
@@ -28,10 +30,11 @@ from ..decoding.repetition import LOOP_WARN, LoopWatch
 from ..io.cellfiles import CellFiles
 from ..io.prompt import TextStream
 from ..io.rundir import RunDir
+from ..io.runfiles import PLAN
 from ..io.ui import QUALITY_WINDOW, WORDS_WINDOW, Display, Progress
 from ..models import threads
 from ..models.backends import cpu_extensions
-from . import schedule
+from . import runplan, schedule
 from .interrupts import Interrupt, interrupted_before_the_loop, lost, resume_command, until_a_rank_is_lost
 from .records import Loaded, Resolved
 from .runstats import RunStats, plain_int, write_stats_json
@@ -103,14 +106,20 @@ class Session:
     curves: Curves | None = None  # the automatic budget's cost curves
     cells: CellFiles | None = None  # the cache's cells saved at each checkpoint (abilities.saves_cells)
     cells_saved: tuple = ((0, 0), 0)  # the context span they belong to, and the end of the last stretch saved
+    plan: runplan.RunPlan | None = None  # what the run was planned to be (the estimate; its costs are kept for the next)
+    prefill: tuple[float, int] = (0.0, 0)  # a new run's prefill: seconds, tokens
 
     def start(self, rd: RunDir, ids: list[int]) -> None:
         """Prefill `ids` (prompt and the tokens written so far), putting back the cells a checkpoint saved where they
         fit, and fit the draft budget to the rest of the run."""
         engine, owner = self.engine, self.engine.model.abilities.saves_cells
         self.cells = CellFiles(rd.path, f"{self.lm.ref.fingerprint}/{owner}") if owner else None
+        self._record_plan(rd)
         with interrupted_before_the_loop(rd):
+            t = time.perf_counter()
             engine.start(ids, self.cells.read() if self.cells else ())
+            if not rd.tokens:  # a new run's prefill, for the next estimate (a resume's puts cells back)
+                self.prefill = (time.perf_counter() - t, len(ids))
             if self.cells:
                 self.cells.clear(keep_before=engine.restored)  # the ones not put back belong to no context now
                 self.cells_saved = (engine.span, engine.restored)
@@ -119,6 +128,20 @@ class Session:
                                       "saved them; the rest computed")
             if self.curves is not None:
                 self.curves.fit(engine, upto=len(rd.prompt_ids) + self.limits.tokens)
+
+    def _record_plan(self, rd: RunDir) -> None:
+        """Keep this process's plan in the run directory; a resume first says what it plans otherwise."""
+        if self.plan is None:
+            return
+        path = rd.path / PLAN
+        try:
+            written = json.loads(path.read_text()) if path.is_file() else None
+        except (OSError, ValueError):
+            written = None  # a damaged record is only a record: the run's own files decide what runs
+        now = {**self.plan.to_dict(), "backend": self.lm.backend}  # `auto` as it was timed
+        for line in runplan.differences(written, now) if isinstance(written, dict) else ():
+            self.display.info(line)
+        atomic_write(path, json.dumps(now, indent=1).encode())
 
     def _save_cells(self) -> None:
         """The cells written since the last checkpoint, as one more stretch; all of them again after a rebuild.
@@ -179,6 +202,9 @@ class Session:
                if engine.bans else {}),
             "threads": torch.get_num_threads(), **({"thread_changes": gov.changes} if gov else {}),
             "tp": lm.tp,  # the ranks this text came from: resume keeps it (ranks.recorded)
+            "prefill_seconds": round(self.prefill[0], 3),  # a new run's prompt, before `seconds` start
+            **({"estimated_seconds": round(self.plan.estimate, 3) if self.plan.estimate is not None else None,
+                "planned_memory_bytes": self.plan.memory.total} if self.plan else {}),
             **({"resolved": self.resolved.to_dict()} if self.resolved else {}),
             # a run continued from an edited text (rounds.py): its round, and the token where the edit began
             **({"round": rd.round, "edit_at": (rd.stats or {}).get("edit_at")} if rd.round > 1 else {}),
@@ -241,6 +267,7 @@ class Session:
         the run here."""
         st, display = w.st, self.display
         st.count(step, self.engine.sources)
+        st.timed(self.engine.cache.length // runplan.BUCKET, len(step.tokens))
         if step.let_through:
             display.alert(f"swiftwrite: a banned phrase was chosen again after {MAX_RETRIES} other first "
                           f"tokens were tried at the same place (near token {st.done}); it stays in the text.")
@@ -337,6 +364,8 @@ class Session:
                  "longest_repeat": longest_repeat(rd.tokens),
                  f"distinct_1_per_{WORDS_WINDOW}": distinct_per_window(rd.tokens, WORDS_WINDOW)}
         display.summary(final)
+        if self.plan is not None and st.made:
+            runplan.keep_rates(self.plan.rate_key(self.lm.backend), st.rate_seconds, st.rate_tokens, self.prefill)
         if stats_json is not None:
             write_stats_json(stats_json, final, f"the run itself is saved in {rd.path}.")
         if st.stopped == "loop":

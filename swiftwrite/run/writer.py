@@ -13,24 +13,28 @@ The checks of the user's input come before torch is imported (inputs.py); transf
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from ..base import rules
 from ..base.config import Config
 from ..base.config import resolve as resolve_cfg
 from ..base.errors import UsageError, UserError
 from ..decoding.window import MIN_FREE
 from ..io.prompt import apply_template, prompt_ids
+from ..io.batchdir import BatchDir
 from ..io.rundir import RunDir
-from ..io.ui import Display
+from ..io.ui import Display, human_bytes
 from ..models.store import resolve
 from . import outline as outlines
-from . import ranks, schedule
+from . import ranks, runplan, schedule
 from .assembly import Loaded, check_device, load_weights, make_window, open_model, open_session, planning_engine
 from .inputs import Inputs, check_writable
+from .records import MODEL_OPTIONS
 from .edits import (check_continues, check_not_edited, continued_plan, plan_of, read_edited, rebuilt_text, token_finder,
                     tokens_to_add, write_round)
 from .session import open_out, plain_int, unpack_state
@@ -39,26 +43,80 @@ from .session import open_out, plain_int, unpack_state
 # generate / resume
 
 
-def generate(inputs: Inputs, quiet: bool, no_live: bool) -> int:
-    """Write the document `inputs` (inputs.read, which checked what the user typed) asks for."""
+def generate(inputs: Inputs, quiet: bool, no_live: bool, dry_run: bool = False, as_json: bool = False) -> int:
+    """Write the document `inputs` (inputs.read, which checked what the user typed) asks for; with `dry_run`, only
+    say what would run (show_plan)."""
     display = Display(Display.choose(quiet, no_live))
+    if dry_run:
+        return show_plan(inputs, display, as_json)
     return write_new(inputs, open_model(inputs.cfg, display), display)
+
+
+def show_plan(inputs: Inputs, display: Display, as_json: bool) -> int:
+    """--dry-run: the run's plan (runplan.py) as a table on stderr, and with `as_json` as JSON on stdout; nothing
+    is loaded past the model's configuration and tokenizer, nothing written. With --plan the outline the model
+    would write is not known: the plan is made for the brief alone."""
+    heard: list[str] = []
+    lm = open_model(inputs.cfg, Display("quiet", heard=heard))  # what opening decided goes into the plan's notes
+    text, ids, plan = _prompt(inputs, lm, inputs.sections, inputs.budgets)
+    _check_ids(lm, ids)
+    made = runplan.make(inputs.cfg, lm, len(ids) + (plan.pin_max if plan else 0),
+                        notes=tuple(("opening", line) for line in heard))
+    display.plan(made.rows(), f"swiftwrite --dry-run: {inputs.cfg.tokens:,} tokens, nothing written")
+    if as_json:
+        print(json.dumps(made.to_dict(), indent=1))
+    return 0
+
+
+def show_batch_plan(jobs: list, out_dir: Path, quiet: bool, as_json: bool) -> int:
+    """batch --dry-run: each document's plan (show_plan's), one row a document on stderr, a list as JSON on stdout;
+    documents that share a model part open it once, as the batch would."""
+    BatchDir.check_new(out_dir)  # refused as the batch would refuse it
+    display, plans, opened = Display(Display.choose(quiet, True)), [], {}
+    for job in jobs:
+        heard: list[str] = []
+        cfg = job.inputs.cfg
+        asked = tuple(getattr(cfg, name) for name in MODEL_OPTIONS)
+        if asked not in opened:
+            opened[asked] = open_model(cfg, Display("quiet", heard=heard))
+        lm = opened[asked]
+        _, ids, plan = _prompt(job.inputs, lm, job.inputs.sections, job.inputs.budgets)
+        _check_ids(lm, ids)
+        plans.append(runplan.make(cfg, lm, len(ids) + (plan.pin_max if plan else 0),
+                                  notes=tuple(("opening", line) for line in heard)))
+    rows = [(job.name, f"{p.model} on {p.backend}, {p.tokens:,} tokens, context {p.context:,}",
+             f"{human_bytes(p.memory.total)}, {runplan.duration(p.estimate)}") for job, p in zip(jobs, plans)]
+    seconds = [p.estimate for p in plans]
+    total = runplan.duration(sum(seconds)) if None not in seconds else "unknown"
+    display.plan(rows, f"swiftwrite batch --dry-run: {len(jobs)} documents, one at a time {total}, nothing written",
+                 ("document", "plan", "memory, time"))
+    if as_json:
+        print(json.dumps([{"name": job.name, **p.to_dict()} for job, p in zip(jobs, plans)], indent=1))
+    return 0
+
+
+def _prompt(inputs: Inputs, lm: Loaded, sections, budgets) -> tuple[str, list[int], schedule.Plan | None]:
+    """The prompt's text and ids, and the outline's schedule plan, for `sections` (None: no outline)."""
+    cfg = inputs.cfg
+    text = apply_template(outlines.with_outline(inputs.brief, sections) if sections else inputs.brief, cfg.template,
+                          inputs.source)
+    ids = prompt_ids(lm.tok, text, cfg.raw)
+    plan = schedule.Plan.build(sections, budgets, lambda t: lm.tok(t, add_special_tokens=False)["input_ids"]) \
+        if sections else None
+    return text, ids, plan
 
 
 def write_new(inputs: Inputs, lm: Loaded, display: Display) -> int:
     """A new run of `inputs` on the opened model `lm` (its weights loaded here if they are not yet): `generate`'s
     one document, or each of a batch's documents on the model the batch loaded once (batch.py)."""
-    cfg, brief, source, sections, budgets = inputs.cfg, inputs.brief, inputs.source, inputs.sections, inputs.budgets
+    cfg, sections, budgets = inputs.cfg, inputs.sections, inputs.budgets
     path, out_path, stats_json = inputs.run_dir, inputs.out, inputs.stats_json
     if cfg.plan or cfg.plan_only:
-        sections = _plan(cfg, lm, brief, out_path, display)
+        sections = _plan(cfg, lm, inputs.brief, out_path, display)
         if cfg.plan_only:
             return 0
         budgets = outlines.allocate(sections, cfg.tokens, "the planned outline")
-    text = apply_template(outlines.with_outline(brief, sections) if sections else brief, cfg.template, source)
-    ids = prompt_ids(lm.tok, text, cfg.raw)
-    plan = schedule.Plan.build(sections, budgets, lambda t: lm.tok(t, add_special_tokens=False)["input_ids"]) \
-        if sections else None
+    text, ids, plan = _prompt(inputs, lm, sections, budgets)
     _check_ids(lm, ids)
     session = open_session(cfg, lm, len(ids), plan, display)
     out = open_out(out_path)
@@ -66,7 +124,7 @@ def write_new(inputs: Inputs, lm: Loaded, display: Display) -> int:
         # The run records the settings it really uses (session.settings): `auto` may have become bfloat16 for lack of
         # memory, the faster backend here, and a resume must not pick others when memory or the machine differ then.
         rd = RunDir.create(path, session.settings, text, ids, lm.ref.fingerprint, outline=plan.to_json() if plan else None,
-                           outline_md=outlines.render(sections, budgets) if plan else "")
+                           outline_md=outlines.render(sections, budgets) if plan else "", origin=lm.ref.origin)
         try:
             ranks.report_run_dir(rd.path)
             display.info(f"run directory: {rd.path}")
@@ -147,9 +205,7 @@ def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool
         lm = _reopen_model(cfg, rd, force, complete, display) if not complete or rd.text_damaged else None
         if complete:
             display.info(f"{run_dir} is already complete ({len(rd.tokens)} tokens); pass --tokens N to write more.")
-            if out_path is not None:
-                open_out(out_path, (rd.path / "output.txt").read_text(encoding="utf-8")).close()
-            return 0
+            return _copy_finished(rd, out_path)
         return _continue(cfg, lm, rd, out_path, stats_json, display)
     finally:
         rd.close()
@@ -178,12 +234,10 @@ def _opened_run(rd: RunDir, tokens: int | None, out_path: Path | None, tp: int, 
 def _reopen_model(cfg: Config, rd: RunDir, force: bool, complete: bool, display: Display) -> Loaded:
     """The run's model, checked against the one that wrote it; a damaged output.txt rebuilt from the ids."""
     check_device(cfg)  # a missing GPU is reported before any model file is read
-    ref = resolve(cfg.model, log=display.info)
+    ref = resolve(cfg.model, log=display.info, device=cfg.device)
     if ref.fingerprint != rd.fingerprint:
         if not force:
-            raise UserError(f"{rd.path} was written with another model (fingerprint {rd.fingerprint}, now "
-                            f"{ref.fingerprint}); resuming would not continue the same text. "
-                            "Use --force to do it anyway.")
+            raise UserError(rules.another_model(rd.path, rd.fingerprint, ref.fingerprint, "Use --force to do it anyway."))
         display.info("resuming with a different model (--force): the continuation will differ from the original run.")
     lm = open_model(cfg, display, ref)
     _repair_text(rd, lm, complete, display)
@@ -211,16 +265,22 @@ def continue_document(run_dir: Path, out_path: Path, stats_json: Path | None, di
         if not complete or rd.text_damaged:
             lm = model_for(cfg)
             if lm.ref.fingerprint != rd.fingerprint:
-                raise UserError(f"{rd.path} was written with another model (fingerprint {rd.fingerprint}, now "
-                                f"{lm.ref.fingerprint}); continue it alone with `swiftwrite resume {rd.path} --force` "
-                                "if another text is what you want.")
+                raise UserError(rules.another_model(rd.path, rd.fingerprint, lm.ref.fingerprint,
+                                                    f"Continue it alone with `swiftwrite resume {rd.path} --force` if "
+                                                    "another text is what you want."))
             _repair_text(rd, lm, complete, display)
         if complete:
-            open_out(out_path, (rd.path / "output.txt").read_text(encoding="utf-8")).close()
-            return 0
+            return _copy_finished(rd, out_path)
         return _continue(cfg, lm, rd, out_path, stats_json, display)
     finally:
         rd.close()
+
+
+def _copy_finished(rd: RunDir, out_path: Path | None) -> int:
+    """A finished run's text to --out (nothing to do without one: its text is in the run directory)."""
+    if out_path is not None:
+        open_out(out_path, (rd.path / "output.txt").read_text(encoding="utf-8")).close()
+    return 0
 
 
 def _continue(cfg: Config, lm: Loaded, rd: RunDir, out_path: Path | None, stats_json: Path | None,

@@ -32,15 +32,13 @@ from typing import Callable
 from ..base.errors import UserError
 from ..base.machine import die_with_parent
 from ..io.ui import Display, Progress
-from .assembly import load_weights, open_model
-from .inputs import Inputs
-from .records import Loaded
-from .writer import continue_document, write_new
+from ..run.assembly import load_weights, open_model
+from ..run.inputs import Inputs
+from ..run.records import MODEL_OPTIONS, Loaded
+from ..run.writer import continue_document, write_new
 
 # a document's exit (writer.generate's): written; stopped at a loop (--stop-on-loop); interrupted by SIGINT / SIGTERM
 WRITTEN, FAILED, LOOPED, INTERRUPTED = 0, 1, 3, (130, 143)
-# the settings that decide which model runs: documents that share them share one loaded model
-MODEL_SETTINGS = ("model", "device", "dtype", "weights", "backend", "threads", "attention", "cuda_graphs")
 
 
 @dataclass(frozen=True)
@@ -70,11 +68,10 @@ class Models:
         self.opened: dict[tuple, tuple] = {}  # a document's model settings -> what they resolved to
 
     def __call__(self, cfg) -> Loaded:
-        asked = tuple(getattr(cfg, name) for name in MODEL_SETTINGS)  # cfg: a Config, read by its field names
+        asked = tuple(getattr(cfg, name) for name in MODEL_OPTIONS)  # cfg: a Config, read by its field names
         if asked not in self.opened or self.opened[asked] != self.resolved:
             lm = open_model(cfg, self.display if self.lm is None else Display("quiet"))
-            key = (lm.ref.fingerprint, lm.device, str(lm.dtype), lm.weights, lm.backend, lm.threads, lm.attention,
-                   lm.cuda_graphs)
+            key = lm.part
             self.opened[asked] = key
             if key != self.resolved:
                 self.lm = None
