@@ -68,7 +68,7 @@ def cpuinfo() -> dict:
 
 
 def machine() -> dict:
-    """The machine block of every report: the fields swiftwrite.run.bench.machine() always gave (cpu, cores,
+    """The machine block of every report: the fields swiftwrite.bench.bench.machine() always gave (cpu, cores,
     torch_threads, torch, python, gpu), plus the CPU's ISA extensions, torch's CPU kernel level, memory,
     platform, load average and the date."""
     info = cpuinfo()

@@ -25,7 +25,7 @@ from swiftwrite.io.ui import Display
 from swiftwrite.models.backends import gguf_path
 from swiftwrite.models.peers import load_llamacpp
 from swiftwrite.run import assembly
-from swiftwrite.run.bench import SETTINGS, run_one
+from swiftwrite.bench.bench import SETTINGS, run_one
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--context", type=int, default=7800, help="prompt tokens before the timed ones")

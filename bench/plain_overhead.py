@@ -28,7 +28,7 @@ from swiftwrite.models import ggmlbinding
 from swiftwrite.models.backends import gguf_path
 from swiftwrite.models.peers import load_llamacpp
 from swiftwrite.run import assembly
-from swiftwrite.run.bench import SETTINGS, run_one, workload_ids
+from swiftwrite.bench.bench import SETTINGS, run_one, workload_ids
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--tokens", type=int, default=1500)

@@ -38,7 +38,7 @@ ROOT = common.ROOT
 
 SETTINGS = ("float", "bfloat16", "int8", "int4")  # bfloat16: the float weights held and computed in bfloat16
 LLAMA_CPP = ("llama.cpp", "llama.cpp-lookup")  # with --gguf: llama.cpp plain and with its prompt-lookup drafts
-TRANSFORMERS = {"transformers": "hf", "transformers-lookup": "hf-lookup"}  # -> swiftwrite.run.bench's method
+TRANSFORMERS = {"transformers": "hf", "transformers-lookup": "hf-lookup"}  # -> swiftwrite.bench.bench's method
 PEERS = (*LLAMA_CPP, *TRANSFORMERS)
 SAMPLERS = ("greedy", "sample")
 
@@ -50,7 +50,7 @@ def one_setting(weights: str, tokens: int, threads: int, samplers: list[str], wo
     from swiftwrite.run import assembly
     from swiftwrite.tensors import quant
     from swiftwrite.models import store
-    from swiftwrite.run.bench import SETTINGS as BENCH_SETTINGS, run_one, workload_ids
+    from swiftwrite.bench.bench import SETTINGS as BENCH_SETTINGS, run_one, workload_ids
     from swiftwrite.base.config import Config
     from swiftwrite.base.metrics import distinct, first_divergence, longest_repeat
     from swiftwrite.io.ui import Display
@@ -95,7 +95,7 @@ def transformers_rows(method: str, tokens: int, threads: int, samplers: list[str
     from transformers import AutoModelForCausalLM
 
     from swiftwrite.run import assembly
-    from swiftwrite.run.bench import SETTINGS as BENCH_SETTINGS, run_one, workload_ids
+    from swiftwrite.bench.bench import SETTINGS as BENCH_SETTINGS, run_one, workload_ids
     from swiftwrite.base.config import Config
     from swiftwrite.base.metrics import distinct, longest_repeat
     from swiftwrite.io.ui import Display
@@ -135,7 +135,7 @@ def llama_cpp_rows(method: str, gguf: Path, tokens: int, threads: int, samplers:
     from transformers import AutoTokenizer
 
     from swiftwrite.models import store
-    from swiftwrite.run.bench import workload_ids
+    from swiftwrite.bench.bench import workload_ids
     from swiftwrite.base.metrics import distinct, longest_repeat
 
     tok = AutoTokenizer.from_pretrained(store.locate("smollm2-135m"))
@@ -192,7 +192,7 @@ def main():
         return
     import torch
 
-    from swiftwrite.run.bench import workload
+    from swiftwrite.bench.bench import workload
     from swiftwrite.base.config import Config
 
     torch.set_num_threads(a.threads)  # what machine() reports; each setting's process sets it for itself

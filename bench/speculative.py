@@ -3,7 +3,7 @@
     python bench/speculative.py --tokens 2000 --out bench/results/2026-11-29-cpu
 
 Writes bench.json and bench.md (the README table) into --out, with bench/common.py's machine block (the CPU's ISA
-extensions too). See swiftwrite/run/bench.py for what is measured.
+extensions too). See swiftwrite/bench/bench.py for what is measured.
 """
 
 import argparse
@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markdown import Markdown
 
 import common
-from swiftwrite.run import bench
+from swiftwrite.bench import bench
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--tokens", type=int, default=2000)

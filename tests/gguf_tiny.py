@@ -12,7 +12,10 @@ LAYER_TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "F16", "attn_output
                "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "Q8_0"}
 
 
-def write_gguf(path: Path, vocab=96, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, tied=False, seed=0) -> Path:
+def write_gguf(path: Path, vocab=96, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, tied=False, seed=0,
+               eos="</s>") -> Path:
+    """`eos`: the last token's text; "<|endoftext|>" where transformers reads the tokenizer (its GGUF reader adds
+    that token past the vocabulary when the file lacks it, an id the model has no logit for)."""
     from gguf import GGMLQuantizationType as T
     from gguf import GGUFWriter
     from gguf.quants import quantize
@@ -30,7 +33,7 @@ def write_gguf(path: Path, vocab=96, hidden=64, layers=2, heads=4, kv_heads=2, f
     w.add_vocab_size(vocab)
     # a byte-level BPE tokenizer: one token per printable character, one merge
     w.add_tokenizer_model("gpt2")
-    w.add_token_list([chr(33 + i) for i in range(vocab - 3)] + ["ab", "<s>", "</s>"])
+    w.add_token_list([chr(33 + i) for i in range(vocab - 3)] + ["ab", "<s>", eos])
     w.add_token_merges(["a b"])
     w.add_token_types([1] * vocab)
     w.add_bos_token_id(vocab - 2)

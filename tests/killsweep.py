@@ -485,7 +485,7 @@ def sweep(work: Path, tokenizer_dir: Path, *, kills: int = 40, tokens: int = 300
           log=print, machine=None, command: str | None = None) -> dict:
     """Run the sweep in `work` and return the report. `plan`: a list of Points to run instead of the random
     schedule (each Point's variant must be "plain" or "context"). `machine`: a function returning the report's
-    machine block, called at the end (default: swiftwrite.run.bench.machine and the load average); `command`: the
+    machine block, called at the end (default: swiftwrite.bench.bench.machine and the load average); `command`: the
     command line the report names."""
     t_start = time.monotonic()
     modes = list(modes)
@@ -592,7 +592,7 @@ def summary(report: dict) -> str:
 
 def _machine() -> dict:
     try:
-        from swiftwrite.run.bench import machine
+        from swiftwrite.bench.bench import machine
 
         m = machine()
     except Exception:  # the report matters more than its machine line

@@ -291,7 +291,7 @@ def snapshot(root: Path) -> dict[str, str]:
 def test_bad_input_fails_with_one_sentence_and_leaves_nothing(world, tmp_path, case_id, argv, code, stdin):
     run = tmp_path / "run"
     paths = {k: str(v) for k, v in world.items()} | {"run": str(run)}
-    env = dict(os.environ)
+    env = dict(os.environ, HF_HUB_OFFLINE="1")  # no case reaches the internet: a Hub name not here is refused offline
     args = []
     for a in argv:
         if "=" in a and a.split("=")[0].startswith("SWIFTWRITE_"):

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections import Counter
 
 import numpy as np
 import pytest
 import yaml
 
+from swiftwrite.base.patterns import FLAG, check_patterns
 from swiftwrite.decoding.bans import MAX_RETRIES, Bans, PhraseError, check_phrases, read_ban_file, variants
 from swiftwrite.base.config import Config
 from swiftwrite.run import inputs
@@ -154,13 +156,13 @@ def heads(model):
     return h
 
 
-def run(model, settings, phrases, names=(), heads=None, n=N, history=None):
+def run(model, settings, phrases, names=(), heads=None, n=N, history=None, patterns=(), budget=16):
     sources, stats = make_sources(list(names), VOCAB, heads=heads)
     p = prompt()
     hist = history or p
     engine = Engine(model, Sampler(settings, VOCAB), Window(CONTEXT, len(p)), sources, stats,
-                    budget=16 if names else None, capacity=len(p) + N + 1,
-                    bans=Bans(phrases, TABLE) if phrases else None)
+                    budget=budget if names else None, capacity=len(p) + N + 1,
+                    bans=Bans(phrases, TABLE, patterns) if phrases or patterns else None)
     engine.start(hist)
     steps = list(engine.run(n))
     return [t for s in steps for t in s.tokens], steps
@@ -217,6 +219,70 @@ def test_a_run_resumed_where_a_checkpoint_can_fall_writes_the_same_text(model, b
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Patterns (base/patterns.py): never matched, and drafting = plain
+
+
+def pattern_found(ids, patterns) -> str | None:
+    """The first pattern `re` finds in the text of `ids`, a word boundary at its start looking at the prompt's
+    last character (as the matcher does), or None."""
+    before = TABLE[prompt()[-1]].decode()
+    full = before + text_of(ids).decode()
+    for p in patterns:
+        icase = p.startswith(FLAG)
+        rx = re.compile(p[len(FLAG) :] if icase else p, re.ASCII | (re.IGNORECASE if icase else 0))
+        if rx.search(full, len(before)):
+            return p
+    return None
+
+
+@pytest.fixture(scope="module")
+def pattern_banned(model, banned):
+    """Per setting: patterns made from the stretches its unbanned text repeats most (an alternation in any case,
+    one ending in a word boundary, one with classes), and the plain run that bans them."""
+    out = {}
+    for sid, s in SETTINGS.items():
+        free = banned[sid][0]
+        grams = Counter(text_of(free[a : a + 2]).decode() for a in range(len(free) - 2))
+        top = [g for g, _ in grams.most_common(12) if g.strip()]
+        classes = "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else re.escape(c) for c in top[3])
+        patterns = check_patterns([f"(?i)({re.escape(top[0])}|{re.escape(top[1])})", f"{re.escape(top[2].strip())}\\b",
+                                   f"{classes}\\s?"])
+        got, steps = run(model, s, (), patterns=patterns)
+        out[sid] = free, patterns, got, steps
+    return out
+
+
+@pytest.mark.parametrize("sid", list(SETTINGS))
+def test_a_banned_pattern_is_never_matched_and_going_back_happened(pattern_banned, sid):
+    free, patterns, got, steps = pattern_banned[sid]
+    assert len(got) == N
+    assert all(pattern_found(free, [p]) for p in patterns)
+    assert pattern_found(got, patterns) is None
+    assert sum(s.backtracks for s in steps) >= 3 and sum(s.let_through for s in steps) == 0
+
+
+@pytest.mark.parametrize("draft_id", ["all", "ngram"])
+@pytest.mark.parametrize("sid", list(SETTINGS))
+def test_speculative_equals_plain_with_banned_patterns_across_rebuilds(model, heads, pattern_banned, sid, draft_id):
+    _, patterns, ref, ref_steps = pattern_banned[sid]
+    got, steps = run(model, SETTINGS[sid], ("q" + "a" * 5,), DRAFTS[draft_id], HeadsDrafter.factory(heads, model),
+                     patterns=patterns, budget=8)  # a phrase beside: the two go back together
+    assert got == ref
+    assert sum(s.drafted for s in steps) > 0 and sum(s.rebuilt for s in steps) >= 3
+    assert sum(s.backtracks for s in steps) == sum(s.backtracks for s in ref_steps)
+
+
+@pytest.mark.parametrize("sid", list(SETTINGS))
+def test_a_run_with_patterns_resumed_where_a_checkpoint_can_fall_writes_the_same_text(model, pattern_banned, sid):
+    _, patterns, ref, steps = pattern_banned[sid]
+    ends = [sum(len(s.tokens) for s in steps[: k + 1]) for k in range(len(steps))]
+    p = prompt()
+    for k in sorted({ends[len(ends) // 3], ends[2 * len(ends) // 3], ends[-2]}):
+        got, _ = run(model, SETTINGS[sid], (), ["recycling", "ngram"], history=p + ref[:k], n=N - k, patterns=patterns)
+        assert got == ref[k:], k
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The writer: bad input, the run directory, resume, the statistics
 
 
@@ -231,18 +297,18 @@ def test_a_ban_file_that_is_missing_or_binary_stops_the_run_before_its_directory
         assert not (tmp_path / "run").exists()
 
 
-def test_an_empty_phrase_or_an_outline_with_bans_is_refused_by_the_configuration():
+def test_an_empty_phrase_is_refused_by_the_configuration_and_an_outline_takes_bans():
     with pytest.raises(UsageError, match="empty phrase"):
         Config(ban=("ok", " ")).validate()
-    with pytest.raises(UsageError, match="outline"):
-        Config(ban=("ok",), plan=True).validate()
+    assert Config(ban=("ok",), ban_pattern=("o{2}",), plan=True).validate().plan
+    assert Config(ban=("ok",), outline="plan.md").validate().outline == "plan.md"
 
 
 def test_the_default_model_never_writes_a_banned_phrase_drafting_equals_plain_and_resume_keeps_the_ban(
         default_model_dir, tmp_path):
-    """The default model, greedy, 300 tokens: ban a phrase its unbanned text holds; the banned runs with --draft none
-    and --draft all write the same tokens, none holds the phrase, the run directory keeps it, a resume of the run
-    cut back to a checkpoint writes the same tokens, and the statistics count the backtracks."""
+    """The default model, greedy, 300 tokens: ban a phrase and a pattern its unbanned text holds; the banned runs
+    with --draft none and --draft all write the same tokens, none holds either, the run directory keeps them, a
+    resume of the run cut back to a checkpoint writes the same tokens, and the statistics count the backtracks."""
     from swiftwrite.run import writer
 
     brief = tmp_path / "brief.txt"
@@ -264,6 +330,16 @@ def test_the_default_model_never_writes_a_banned_phrase_drafting_equals_plain_an
     assert drafted == plain
     assert stats["banned_phrases"]["backtracks"] >= 1
     assert yaml.safe_load((tmp_path / "plain" / "config.yaml").read_text())["ban"] == [phrase.upper()]
+    # a pattern (a ban file's `re:` line): two words of the text two thirds in, any case, anything between
+    clean = [re.sub(r"\W", "", w, flags=re.A) for w in words]
+    k = next(k for k in range(2 * len(words) // 3, len(words) - 1) if clean[k] and clean[k + 1])
+    pattern = f"(?i)\\b{clean[k]}\\W{{1,6}}{clean[k + 1]}\\b"
+    (tmp_path / "patterns.txt").write_text("re:" + pattern + "\n")
+    found = re.compile(pattern[len(FLAG) :], re.I | re.A).search
+    by_pattern, pstats = gen("pattern", draft="none", ban_file=str(tmp_path / "patterns.txt"))
+    assert found(free) and not found(by_pattern) and pstats["banned_phrases"]["backtracks"] >= 1
+    assert gen("pattern-drafted", draft="all", ban_file=str(tmp_path / "patterns.txt"))[0] == by_pattern
+    assert yaml.safe_load((tmp_path / "pattern" / "config.yaml").read_text())["ban_pattern"] == [pattern]
     # `resume --tokens` keeps enforcing it (from the run directory's settings), with drafts as without
     for name in ("plain", "drafted"):
         assert writer.resume(tmp_path / name, 450, tmp_path / f"{name}2.md", False, True, True, None) == 0

@@ -1,4 +1,4 @@
-"""`swiftwrite batch --parallel auto` (swiftwrite/run/howmany.py).
+"""`swiftwrite batch --parallel auto` (swiftwrite/batch/howmany.py).
 
 Properties: auto takes the number of documents at a time that writes the most tokens per second as measured, a
 larger number only for GAIN more, never more than the documents or than the memory holds; it measures once per model
@@ -16,8 +16,8 @@ import pytest
 
 from swiftwrite.base import measurements
 from swiftwrite.base.config import Config
-from swiftwrite.run import howmany
-from swiftwrite.run.workers import DocumentDisplay
+from swiftwrite.batch import howmany
+from swiftwrite.batch.workers import DocumentDisplay
 from test_batch_cli import work  # noqa: F401 (the fixture: the jobs)
 from test_cli import sw
 

@@ -12,7 +12,7 @@ from swiftwrite.base.errors import UserError
 from swiftwrite.io.ui import Display
 from swiftwrite.run.assembly import open_model
 from swiftwrite.run.records import MODEL_OPTIONS, ModelPart
-from swiftwrite.run.workers import Models
+from swiftwrite.batch.workers import Models
 from test_heads import add_byte_tokenizer
 from tiny import tiny_hf_model
 

@@ -367,3 +367,22 @@ def test_with_repacked_weights_a_restart_anywhere_continues_exactly_with_or_with
     engine.start(p + first, saved)
     assert engine.restored > 0
     assert first + [t for s in engine.run(1500 - cut) for t in s.tokens] == whole
+
+
+@pytest.mark.parametrize("setting", ["greedy-penalty", "sample"])
+def test_a_context_a_finished_engine_left_writes_what_a_new_one_writes(model, setting):
+    """A batch's next document takes the context its last document's engine dropped (ggmlmodel.keep_spare),
+    emptied: the same tokens as on a context made new, drafting and rebuilds included."""
+    model.take_spare(-1)  # none: the first run makes its own context
+    made = []
+    real = model.lib.llama_init_from_model
+    model.lib.llama_init_from_model = lambda *a: made.append(1) or real(*a)
+    try:
+        first, _ = generate(model, SETTINGS[setting], ["recycling", "ngram"])  # its engine is dropped on return
+        assert model._spare is not None
+        again, _ = generate(model, SETTINGS[setting], ["recycling", "ngram"])
+        plain, _ = generate(model, SETTINGS[setting])
+    finally:
+        model.lib.llama_init_from_model = real
+    assert len(made) == 1  # the second and third runs reused the first's context
+    assert again == first == plain

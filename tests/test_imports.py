@@ -15,7 +15,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "swiftwrite"
 
 # The folders of swiftwrite/, bottom to top. A module may import from its own folder and the folders before it.
-LAYERS = ["base", "tensors", "models", "decoding", "io", "run", "training"]
+LAYERS = ["base", "tensors", "models", "decoding", "io", "run", "batch", "bench", "training"]
 TOP = "."  # the command line: swiftwrite/cli.py, __main__.py, __init__.py, above every folder
 DATA = {"heads", "templates", "kernels", "__pycache__"}  # folders of data (or installed from the checkout's top)
 MAX_FUNCTION_IMPORTS = 10

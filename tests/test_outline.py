@@ -9,9 +9,14 @@ heading changes between rebuilds.
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+
 import pytest
 import torch
 
+from swiftwrite.base.patterns import FLAG, check_patterns
+from swiftwrite.decoding.bans import Bans
 from swiftwrite.run import outline as ol
 from swiftwrite.run import schedule
 from swiftwrite.run.edits import continued_plan
@@ -20,6 +25,7 @@ from swiftwrite.base.errors import UsageError
 from swiftwrite.models.model import load_lean
 from swiftwrite.decoding.sampling import Sampler, SamplerSettings
 from swiftwrite.decoding.window import Window
+from test_bans import TABLE, text_of
 from tiny import sharpened_tiny_model
 
 # ---------------------------------------------------------------------------------------------------------
@@ -212,12 +218,14 @@ def model(tmp_path_factory):
 PROMPT = torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(7)).tolist()
 
 
-def write(model, setting, drafts, n, history=(), budget=16):
-    """Write `n` tokens after `history` (earlier output: a resume) under the fixed plan; (out, sched, steps)."""
+def write(model, setting, drafts, n, history=(), budget=16, patterns=()):
+    """Write `n` tokens after `history` (earlier output: a resume) under the fixed plan; (out, sched, steps).
+    `patterns`: banned, the ids spelt as test_bans.TABLE spells them."""
     plan = fixed_plan(BUDGETS)
     sources, stats = make_sources(list(drafts), VOCAB)
     engine = Engine(model, Sampler(SETTINGS[setting], VOCAB), Window(CONTEXT, len(PROMPT) + plan.pin_max), sources,
-                    stats, budget=budget if drafts else None, capacity=len(PROMPT) + sum(BUDGETS) + 1)
+                    stats, budget=budget if drafts else None, capacity=len(PROMPT) + sum(BUDGETS) + 1,
+                    bans=Bans((), TABLE, patterns) if patterns else None)
     sched = schedule.Schedule(plan, ENDERS)
     engine.pin_context(len(PROMPT), sched.pin_at)
     out = list(history)
@@ -285,6 +293,81 @@ def test_resume_mid_section_and_at_boundaries_gives_the_uninterrupted_text(model
         assert out == ref, f"resumed at {cut}: first difference at " \
             f"{next(i for i, (a, b) in enumerate(zip(out, ref)) if a != b)}"
         assert sched.starts == ref_sched.starts
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bans with an outline: never matched inside a section, drafting = plain, resume
+
+
+def bodies(out, sched, plan):
+    """Each section's text after its heading, with the heading's last character (a \\b there looks at it)."""
+    ends = sched.starts[1:] + [len(out)]
+    return [(text_of(plan.headings[k][-1:]).decode(), text_of(out[s + len(plan.headings[k]) : e]).decode())
+            for k, (s, e) in enumerate(zip(sched.starts, ends))]
+
+
+def found(out, sched, patterns):
+    """The first pattern `re` finds inside a section's text (headings are the writer's, as the prompt is), or None."""
+    for before, body in bodies(out, sched, fixed_plan(BUDGETS)):
+        for p in patterns:
+            icase = p.startswith(FLAG)
+            if re.compile(p[len(FLAG) :] if icase else p, re.A | (re.I if icase else 0)).search(before + body, len(before)):
+                return p
+    return None
+
+
+@pytest.fixture(scope="module")
+def banned(model, plain):
+    """Per setting: patterns from the stretches its unbanned text repeats most (one in any case, one ending in a
+    word boundary), and the plain banned run with its step ends (where checkpoints can fall)."""
+    out = {}
+    for setting in SETTINGS:
+        free, sched, _ = plain[setting]
+        grams = Counter(text for _, body in bodies(free, sched, fixed_plan(BUDGETS))
+                        for text in (body[a : a + 3] for a in range(len(body) - 3)) if text.strip() == text)
+        top = [g for g, _ in grams.most_common(3)]
+        patterns = check_patterns([f"(?i)({re.escape(top[0])}|{re.escape(top[1])})", f"{re.escape(top[2])}\\b"])
+        got, gsched, steps = write(model, setting, [], sum(BUDGETS), patterns=patterns)
+        ends = [sum(len(s.tokens) for s in steps[: k + 1]) for k in range(len(steps))]
+        out[setting] = (free, sched), patterns, got, gsched, steps, ends
+    return out
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_with_an_outline_a_banned_pattern_is_never_matched_and_the_sections_keep_their_budgets(banned, setting):
+    (free, free_sched), patterns, got, sched, steps, _ = banned[setting]
+    assert all(found(free, free_sched, [p]) for p in patterns)
+    assert len(got) == sum(BUDGETS)
+    check_sections(got, sched, fixed_plan(BUDGETS), ENDERS)
+    assert found(got, sched, patterns) is None
+    assert sum(s.backtracks for s in steps) >= 3 and sum(s.let_through for s in steps) == 0
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_with_an_outline_and_bans_speculative_equals_plain_and_resume_too(model, banned, setting):
+    _, patterns, ref, ref_sched, ref_steps, ends = banned[setting]
+    out, sched, steps = write(model, setting, DRAFTS["all"], sum(BUDGETS), patterns=patterns, budget=8)
+    assert out == ref and sched.starts == ref_sched.starts
+    assert sum(s.backtracks for s in steps) == sum(s.backtracks for s in ref_steps)
+    assert max(len(s.tokens) for s in steps if not s.forced) >= 3
+    for cut in sorted({ends[len(ends) // 3], ends[2 * len(ends) // 3], *ref_sched.starts[2:3]}):
+        out, sched, _ = write(model, setting, DRAFTS["all"], len(ref) - cut, history=ref[:cut], patterns=patterns)
+        assert out == ref and sched.starts == ref_sched.starts, cut
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_a_pattern_that_a_heading_completes_is_refused_before_the_heading(model, plain, setting):
+    """The first section of the unbanned text ends in a word; that word's tail with a word boundary, banned: the
+    heading's start completes it (the heading counts as the text's end), so decoding goes back there instead."""
+    free, sched, _ = plain[setting]
+    before, body = bodies(free, sched, fixed_plan(BUDGETS))[0]
+    tail = re.search(r"\w{1,6}$", body).group(0)
+    patterns = check_patterns([re.escape(body[-len(tail) - 2 :]) + "\\b"])
+    n = sum(BUDGETS[:2])
+    out, got_sched, steps = write(model, setting, [], n, patterns=patterns)
+    assert any(s.backtracks and not s.forward_tokens for s in steps)  # end_text went back
+    assert found(out, got_sched, patterns) is None and len(out) == n
+    assert write(model, setting, DRAFTS["all"], n, patterns=patterns, budget=8)[0] == out
 
 
 def test_without_an_outline_the_engine_is_unchanged(model):

@@ -9,8 +9,10 @@ outline is one the parser reads back.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
+from collections import Counter
 
 import pytest
 
@@ -112,6 +114,31 @@ def test_headings_appear_once_in_order_and_sections_keep_their_budgets(refs, wor
     assert any(b.endswith((".", "!", "?")) or b.endswith("\n") for b in before), before
     md = (run / "outline.md").read_text()
     assert [s.title for s in ol.parse(md)] == [s.title for s in plan.sections]
+
+
+def test_bans_by_pattern_with_an_outline_hold_in_every_section_and_drafting_equals_plain(refs, work):
+    """Ban the words the sampled text uses most (a pattern with word boundaries, any case): with drafts and
+    without, the same bytes; no section's text matches; every heading still once, in order."""
+    text = text_of(refs["sampled", "all"][0])
+    titles = [s.title for s in sections_of(refs["sampled", "all"][0])[0].sections]
+    words = re.findall(r"[a-z]{4,}", text.lower())
+    top = [w for w, _ in Counter(w for w in words if w not in " ".join(titles).lower()).most_common(2)]
+    pattern = f"(?i)\\b({top[0]}|{top[1]})\\b"
+    runs = {}
+    for draft in ("none", "all"):
+        proc = sw(*args(work, f"banned-{draft}", *SAMPLED, "--ban-pattern", pattern, draft=draft), env=env(work),
+                  cwd=work[0])
+        assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+        runs[draft] = work[0] / f"banned-{draft}"
+    assert read_tokens(runs["all"]) == read_tokens(runs["none"]) and text_of(runs["all"]) == text_of(runs["none"])
+    banned = text_of(runs["all"])
+    at = [banned.find(f"## {t}\n\n") for t in titles]
+    assert at[0] == 0 and at == sorted(at) and all(banned.count(f"## {t}") == 1 for t in titles), banned
+    bodies = re.split("|".join(f"## {t}\n\n" for t in titles), banned)
+    rx = re.compile(pattern[4:], re.I | re.A)
+    assert rx.search(text) and not any(rx.search(b) for b in bodies), banned
+    stats = json.loads((runs["all"] / "state.json").read_text())["stats"]
+    assert stats["banned_phrases"]["backtracks"] >= 1 and stats["banned_phrases"]["patterns"] == 1
 
 
 def test_the_context_was_rebuilt_several_times(refs, work):

@@ -117,7 +117,7 @@ def test_the_time_estimate_is_tokens_left_over_the_recent_rate():
 
 
 def test_bench_shows_a_loop_beside_the_speed_it_buys(tmp_path):
-    from swiftwrite.run import bench
+    from swiftwrite.bench import bench
 
     healthy = list(range(1000))
     looped = list(range(300)) + ([7, 8, 9] * 234)[:700]  # healthy for 300 tokens, then a 3-token cycle

@@ -127,3 +127,13 @@ def test_the_plan_says_every_choice_and_fits_the_8b(machine, tmp_path, monkeypat
     assert rows["drafting"] == "recycling, ngram" and "no trained heads match" in d["notes"]["drafting"]
     assert rows["time"] == "unknown"
     assert np.isfinite(plan.memory.total)
+
+
+def test_a_resume_says_each_choice_it_makes_otherwise(machine, tmp_path, monkeypatch):
+    monkeypatch.setenv("SWIFTWRITE_HOME", str(tmp_path))
+    now = runplan.make(Config(), opened(llama31_8b(8192), "ggml"), prompt=100).to_dict()
+    assert runplan.differences(dict(now), now) == []
+    written = {**now, "backend": "torch", "dtype": "bfloat16", "threads_now": 7}
+    assert runplan.differences(written, now) == [
+        "resumed with the backend ggml where the run was written with torch.",
+        "resumed with the dtype float32 where the run was written with bfloat16."]

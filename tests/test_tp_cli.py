@@ -10,10 +10,12 @@ bad input gets one sentence, every rank exits, and nothing is half-written.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -100,6 +102,23 @@ def test_drafting_under_two_ranks_writes_what_plain_decoding_under_two_ranks_wri
     state = ks.read_state(work / "ref")
     assert state["stats"]["tp"] == 2 and state["finished"]
     assert state["stats"]["forward_passes"] < TOKENS, "no drafted token was accepted: the comparison proves little"
+
+
+def test_bans_under_two_ranks_hold_and_drafting_writes_what_plain_decoding_writes(work, reference):
+    """The two words the reference writes most, banned (one as a phrase, one as a pattern): drafting = plain under
+    2 ranks, neither in the text."""
+    (phrase, _), (word, _) = Counter(re.findall(r"[a-z]{3,}", reference[1].lower())).most_common(2)
+    pattern = re.compile(f"(?i)\\b{word}\\b")
+    for name, extra in (("ban-plain", ["--draft", "none"]), ("ban-drafted", ["--budget", "16"])):
+        rc, err = run(work, *generate(work, name, "--tp", "2", "--ban", phrase, "--ban-pattern", pattern.pattern, *extra))
+        assert rc == 0, err
+    text = (work / "ban-plain" / "output.txt").read_text()
+    assert ks.read_tokens(work / "ban-drafted") == ks.read_tokens(work / "ban-plain")
+    assert (work / "ban-drafted" / "output.txt").read_text() == text and len(ks.read_tokens(work / "ban-plain")) == TOKENS
+    assert phrase not in text.lower() and not pattern.search(text) and pattern.search(reference[1])
+    stats = ks.read_state(work / "ban-drafted")["stats"]
+    assert stats["tp"] == 2 and stats["banned_phrases"]["backtracks"] >= 2
+    assert stats["forward_passes"] < TOKENS, "no drafted token was accepted: the comparison proves little"
 
 
 @pytest.mark.parametrize("victim", ["rank 0", "rank 1", "the command"])

@@ -20,6 +20,7 @@ from . import rules
 from .errors import UsageError
 from .machine import cores
 from .options import ATTENTIONS, BY_NAME, OPTIONS
+from .patterns import check_patterns
 from .userfiles import Kind, read_text
 
 DRAFT_CHOICES = ("none", "recycling", "ngram", "heads", "all")
@@ -105,10 +106,7 @@ class Config:
         need(self.lore_budget >= 16, "lore_budget", "must be at least 16 tokens")
         need(all(isinstance(p, str) and p.strip() for p in self.ban), "ban",
              "has an empty phrase; every banned phrase needs a visible character")
-        need(not ((self.ban or self.ban_file) and (self.outline or self.plan or self.plan_only)), "ban",
-             "cannot be combined with an outline yet (--outline, --plan); drop one of the two")
-        need(not ((self.ban or self.ban_file) and self.tp > 1), "ban",
-             "is not built for tensor parallelism yet; drop --tp or the banned phrases")
+        check_patterns(self.ban_pattern, where.get("ban_pattern", "--ban-pattern"))
         if self.backend.startswith("ggml") and self.tp > 1:
             raise UsageError(rules.GGML_ONE_PROCESS)
         return self

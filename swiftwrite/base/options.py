@@ -153,8 +153,13 @@ OPTIONS: tuple[Option, ...] = (
     # it began and chooses again without that token. Matched in any case, after a space or not. Stored with the run
     # (the phrases of --ban-file included), so `resume` keeps enforcing them
     Option("ban", tuple, (), "PHRASE", "A phrase the text must never contain (repeatable); any case, after a space or not."),
-    # one phrase per line, read once at `generate` and added to --ban's in the run's settings; "" = none
-    Option("ban_file", str, "", "FILE", "A file of phrases to ban, one per line."),
+    # banned patterns (base/patterns.py): a regular expression in the subset that can be matched token by token
+    # (bounded: no * + {m,}); backtracking as for phrases. Case as written unless it starts with (?i)
+    Option("ban_pattern", tuple, (), "REGEX", "A pattern the text must never match (repeatable): literal text, "
+           "classes, ? {m,n} \\b | (); no * or +."),
+    # one phrase per line (a line starting with `re:` a pattern), read once at `generate` and added to --ban's and
+    # --ban-pattern's in the run's settings; "" = none
+    Option("ban_file", str, "", "FILE", "A file of phrases to ban, one per line ('re:' before a pattern)."),
 )
 
 BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
@@ -170,6 +175,8 @@ def defaults(table: tuple[Option, ...]) -> dict[str, object]:
 QUIET = Option("quiet", bool, False, "", "Print nothing but the text.")
 NO_LIVE = Option("no_live", bool, False, "", "Plain progress lines instead of the live panel.")
 STATS_JSON = Option("stats_json", Path, None, "FILE", "Write the final statistics as JSON.")
+# Ray's own log lines (its core's, on standard error) are hidden from a batch on Ray: they say the same thing many times
+RAY_VERBOSE = Option("verbose", bool, False, "", "With --ray: show Ray's own log lines too.")
 
 # the plan (run/runplan.py) without running it: nothing loaded past the tokenizer, nothing written
 DRY_RUN = Option("dry_run", bool, False, "", "Show what would run and why (memory, context, time) and stop.")
@@ -200,6 +207,7 @@ RESUME: tuple[Option, ...] = (
     Option("memory", Path, None, "FILE", "An edited memory: the model sees it from the next context rebuild on."),
     Option("ray", str, None, "ADDRESS", "A batch's directory only: continue it on the Ray cluster at ADDRESS, or on "
            "one started here (local), as batch --ray does."),
+    RAY_VERBOSE,
 )
 
 BATCH: tuple[Option, ...] = (  # besides OPTIONS, which are every document's defaults (a line's own keys win)
@@ -210,7 +218,7 @@ BATCH: tuple[Option, ...] = (  # besides OPTIONS, which are every document's def
            "the cores (default 1; capped at the cores); auto: the number that writes the most here, measured once."),
     Option("ray", str, None, "ADDRESS", "Write on the Ray cluster at ADDRESS (HOST:PORT, or auto), or on one started "
            "here (local); --parallel N is then the documents at a time on each node (pip install -e '.[ray]')."),
-    QUIET, NO_LIVE,
+    RAY_VERBOSE, QUIET, NO_LIVE,
     Option("stats_json", Path, None, "FILE", "Write the batch's statistics, and each document's, as JSON."),
     DRY_RUN, JSON,
 )
@@ -227,6 +235,13 @@ BENCH: tuple[Option, ...] = (
     Option("repeats", int, 1, "N", "Repeats per method (median reported; default 1)."),
     Option("quick", bool, False, "", "hf, none and all, greedy only, 300 tokens: about two minutes."),
     Option("out", Path, None, "DIR", "Directory for bench.json and bench.md."),
+)
+
+MODELS_PULL: tuple[Option, ...] = (
+    # auto: cuda where a GPU is here (the run's own --device rule); an alias's GGUF runs on llama.cpp on a CPU, its
+    # upstream checkpoint in bfloat16 on a GPU
+    Option("device", str, "auto", "NAME", "Where it will run: cpu pulls an alias's GGUF, cuda its upstream checkpoint "
+           "(default auto: cuda when a GPU is here)."),
 )
 
 TRAIN_HEADS: tuple[Option, ...] = (  # train_heads.train takes its defaults from here

@@ -131,7 +131,7 @@ class Engine:
         self.n = len(history)
         self.final = self.n
         if self.bans is not None:
-            self.bans.reset(self.n)
+            self.bans.reset(self.n, history)
         self._rebuild(seed_sources=True, saved=saved)
         hist = self.S[: self.n].numpy()
         for src in self.sources:
@@ -191,9 +191,10 @@ class Engine:
     # -- one step: draft, verify, choose what to commit, commit, tell the sources -----------------------
 
     @torch.inference_mode()
-    def step(self, remaining: int, ends: frozenset | None = None) -> Step:
+    def step(self, remaining: int, ends: frozenset | None = None, last: bool = True) -> Step:
         """Verify one tree and commit at most `remaining` tokens; with `ends`, stop committing after the first
-        token in it (an outline's section can end there): a plain step would have stopped at that token too."""
+        token in it (an outline's section can end there): a plain step would have stopped at that token too.
+        `last`: the run ends after `remaining` tokens (not so where an outline's section caps the step)."""
         rebuilt = self.n >= self.span[1]
         if rebuilt:
             self._rebuild()
@@ -202,7 +203,7 @@ class Engine:
         flat, quiet = self._draft(max_depth)
         base = self.cache.length  # position of the root: the context length minus one
         processed, hidden, path, bonus = self._verify(flat)
-        new, back, let = self._choose(flat, path, bonus, remaining, ends)
+        new, back, let = self._choose(flat, path, bonus, remaining, ends, last)
         # The cache keeps the root and every committed token but the last (the next root): the accepted path
         # cut to len(new) when the step was cut short, so the next step starts from exactly what was committed.
         self.cache.compact(base, torch.tensor(path[: len(new)], device=self.model.device))
@@ -211,7 +212,7 @@ class Engine:
         self._commit(new)
         if self.auto is not None and not rebuilt:
             self.auto.timed(flat.tokens.shape[0], time.perf_counter() - t0)
-        return self._result(flat, path, new, rebuilt, back, let, remaining)
+        return self._result(flat, path, new, rebuilt, back, let, remaining, last)
 
     def _draft(self, max_depth: int) -> tuple[Flat, bool]:
         """The tree to verify, rooted at the last committed token, and whether this is a quiet resting step."""
@@ -249,8 +250,8 @@ class Engine:
         path, bonus = walk(flat, choice)
         return processed, hidden, path, bonus
 
-    def _choose(self, flat: Flat, path: list[int], bonus: int, remaining: int,
-                ends: frozenset | None) -> tuple[list[int], int | None, int]:
+    def _choose(self, flat: Flat, path: list[int], bonus: int, remaining: int, ends: frozenset | None,
+                last: bool) -> tuple[list[int], int | None, int]:
         """The tokens to commit: the accepted path's and the bonus, cut at `remaining`, after the first of `ends`,
         after a stop token, and with bans after a banned phrase's end. Also the position to go back to (where that
         phrase began; None: none) and the phrases let through."""
@@ -276,6 +277,9 @@ class Engine:
                 new = new[: j + 1]
                 self.stopped = False  # a stop token after the phrase's end was never reached
                 break
+        if back is None and ((last and len(new) == remaining) or self.stopped):  # the run ends here
+            back = self.bans.finish()  # the text's end completes a pattern ending in \b: as the next byte would
+            self.stopped = self.stopped and back is None
         return new, back, self.bans.let_through - let
 
     def _learn(self, flat: Flat, path: list[int], kept: int, processed: torch.Tensor, hidden: torch.Tensor,
@@ -309,7 +313,7 @@ class Engine:
                 self.auto.check_shadows(hist, self.n)
 
     def _result(self, flat: Flat, path: list[int], new: list[int], rebuilt: bool, back: int | None, let: int,
-                remaining: int) -> Step:
+                remaining: int, last: bool) -> Step:
         """The step as the writer sees it; with bans, after going `back` and with the tokens settled as final."""
         n_nodes = flat.tokens.shape[0]
         accepted_src = [flat.sources[i] for i in path[1 : len(new) + 1]]  # drafts among the committed tokens
@@ -318,7 +322,7 @@ class Engine:
         if back is not None:
             self._back(back)
         # the end of the run (the target, a stop token): what is written is the text, a phrase under way is none
-        end = back is None and (len(new) == remaining or self.stopped)
+        end = back is None and ((last and len(new) == remaining) or self.stopped)
         old = self.final
         final = self.bans.settle(self.n, everything=end)
         self.final = final
@@ -340,6 +344,19 @@ class Engine:
             self.cache.length -= drop
         for src in self.sources:
             src.rewind(s)
+
+    def end_text(self) -> Step:
+        """With bans, the text ends here for now (an outline's heading follows, the prompt's equal: not checked): a
+        pattern that waits on the next character (one ending in \\b) is complete, so decoding goes back to where
+        it began; else every token is final. The step returned holds no forward and the tokens made final."""
+        let = self.bans.let_through
+        back = self.bans.finish()
+        if back is not None:
+            self._back(back)
+        old = self.final
+        self.final = self.bans.settle(self.n, everything=back is None)
+        return Step(self.S[old : self.final].tolist(), 0, 0, [], backtracks=int(back is not None),
+                    let_through=self.bans.let_through - let)
 
     @torch.inference_mode()
     def force(self, ids: list[int]) -> None:
@@ -367,6 +384,9 @@ class Engine:
             hist = self.S[: self.n].numpy()
             for src in self.sources:
                 src.after_commit(hist, len(ids))
+        if self.bans is not None:  # after end_text(): the bans start again past the forced ids, as past a prompt
+            self.final = self.n
+            self.bans.reset(self.n, self.S[: self.n].numpy())
 
     def run(self, n_new: int):
         """Yield steps until `n_new` more tokens are committed (or a stop token is)."""

@@ -17,15 +17,20 @@ def suppressed_ids(tok, mcfg) -> tuple[int, ...]:
     end tokens this vocabulary has. Without a tokenizer (ids-only callers such as bench/gpu_check.py with random
     weights): the configuration's."""
     ids = set(mcfg.eos_token_ids)
-    if tok is None:
-        return tuple(sorted(ids))
-    for t in (tok.eos_token_id, getattr(tok, "pad_token_id", None)):
-        if t is not None:
-            ids.add(int(t))
-    for name in END_TOKENS:
-        t = tok.convert_tokens_to_ids(name) if name in tok.get_vocab() else None
-        if t is not None:
-            ids.add(int(t))
+    if tok is not None:
+        ids |= set(_tokenizer_end_ids(tok))
+    # a tokenizer may add an end token past the model's embeddings (transformers' GGUF tokenizer adds <|endoftext|>
+    # where the file lacks it): the model never writes it, and an index past the logits would fail
+    return tuple(sorted(i for i in ids if 0 <= i < mcfg.vocab_size))
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_end_ids(tok) -> tuple[int, ...]:
+    """The tokenizer's end and pad ids and the chat formats' end tokens it has. Its vocabulary is a dict built anew
+    on each get_vocab() (~0.1 s for 49,152 ids): read once per tokenizer, not once per engine and end token."""
+    ids = {int(t) for t in (tok.eos_token_id, getattr(tok, "pad_token_id", None)) if t is not None}
+    vocab = tok.get_vocab()
+    ids.update(int(vocab[name]) for name in END_TOKENS if name in vocab)
     return tuple(sorted(ids))
 
 

@@ -66,13 +66,17 @@ class RunDir:
 
     @classmethod
     def create(cls, path, config: dict, prompt_text: str, prompt_ids: list[int], fingerprint: str,
-               outline: dict | None = None, outline_md: str = "", memory: dict | None = None) -> RunDir:
-        """`memory`: memory.json's record (run/memory.py), None without a memory or lore file."""
+               outline: dict | None = None, outline_md: str = "", memory: dict | None = None,
+               origin: dict | None = None) -> RunDir:
+        """`memory`: memory.json's record (run/memory.py), None without a memory or lore file. `origin`: where a
+        pulled model came from (its repository, files and commit), kept in meta.json beside the fingerprint that
+        `resume` compares."""
         p = Path(path)
         cls.check_new(p)
         # Serialize first, so a bad config fails before anything touches the disk.
         files = {CONFIG: yaml.safe_dump(config, sort_keys=False).encode(), PROMPT: prompt_text.encode(),
                  META: json_bytes({"format": 3 if memory else 2 if outline else 1, "fingerprint": fingerprint,
+                              **({"model": origin} if origin else {}),
                               "prompt_ids": list(prompt_ids), "created": now()})}
         if outline:
             files[OUTLINE], files[OUTLINE_MD] = json_bytes(outline), outline_md.encode()

@@ -41,6 +41,7 @@ CONFIG, PROMPT, META, OUTLINE, OUTLINE_MD = "config.yaml", "prompt.txt", "meta.j
 MEMORY = "memory.json"
 TOKENS, TEXT, DRAFTER = "tokens.bin", "output.txt", "drafter.bin"  # DRAFTER: the name before format 1.1
 STATE, PREV, LOCK, PROGRESS = "state.json", "state.prev.json", "lock", "progress.jsonl"
+PLAN = "plan.json"  # the plan of the process that last wrote (runplan.RunPlan): a resume says what differs from it
 STAGING_PREFIX = ".swiftwrite-new-"  # + name + "." + pid: a run directory being created
 STATE_KEYS = {"n_tokens": int, "tokens_sha256": str, "text_bytes": int, "text_sha256": str,
               "drafter_sha256": (str, type(None)), "stats": dict, "finished": bool, "checkpoints": int}

@@ -89,6 +89,13 @@ class GgmlCache:
     def __init__(self, model: "GgmlModel", capacity: int):
         lib = model.lib
         self.model, self.capacity, self.length = model, capacity, 0
+        spare = model.take_spare(context_cells(capacity))
+        if spare is not None:  # a context a finished engine left: emptied, it is what a new one would be
+            self.ctx, self.mem, self.n_ctx = spare
+            lib.llama_memory_clear(self.mem, True)
+            lib.llama_set_n_threads(self.ctx, model.threads, model.threads)
+            self._empty(model)
+            return
         params = lib.llama_context_default_params()
         params.n_ctx = context_cells(capacity)
         params.n_batch = params.n_ubatch = MAX_ROWS  # one forward is one ubatch: its rows are computed together
@@ -103,10 +110,13 @@ class GgmlCache:
                             f"({last_message()}); use a smaller --context.")
         self.mem = lib.llama_get_memory(self.ctx)
         self.n_ctx = params.n_ctx
+        self._empty(model)
+
+    def _empty(self, model: "GgmlModel") -> None:
         self.main = 0  # the sequence id holding the committed tokens
         self.high = 0  # one past the highest position any forward wrote (cells past `length` to drop)
         self.tree: list[list[int]] | None = None  # the last forward's sequence ids per node, while it was a tree
-        self.nbytes = memory_bytes(model.cfg, capacity)[0]  # f16 keys and values
+        self.nbytes = memory_bytes(model.cfg, self.capacity)[0]  # f16 keys and values
 
     def plan_tree(self, mask: torch.Tensor, ids: torch.Tensor) -> np.ndarray:
         """Sequence ids for a tree's nodes (those of the leaves below each: mask[i, j] = j is an ancestor of i or i
@@ -231,7 +241,13 @@ class GgmlCache:
             self.model.lib.llama_free(self.ctx)
             self.ctx = None
 
-    __del__ = close
+    def __del__(self) -> None:
+        """An engine that is done drops its cache: its context goes to the model as the spare for the next cache of
+        its size (a batch's next document) rather than freed, since llama.cpp takes 0.2-1 s to make one (allocating
+        and clearing the KV cache, reserving the compute graphs)."""
+        if getattr(self, "ctx", None):
+            self.model.keep_spare(self.ctx, self.mem, self.n_ctx)
+            self.ctx = None
 
 
 class GgmlModel:
@@ -240,6 +256,7 @@ class GgmlModel:
     def __init__(self, path: Path, cfg, threads: int, loading: Loading = INVARIANT):
         """`cfg`: the model's ModelConfig (sizes, end ids, positions), read from the store's config.json.
         `loading`: INVARIANT (the path the probe is meant to confirm) or STOCK (llama.cpp's fast paths)."""
+        self._spare: tuple | None = None  # keep_spare: a dropped cache's context, for the next of its size
         self.lib = lib = binding()
         self.path, self.cfg, self.threads, self.loading = Path(path), cfg, threads, loading
         self.device, self.dtype = torch.device("cpu"), torch.float32
@@ -291,6 +308,24 @@ class GgmlModel:
         cache = GgmlCache(self, capacity)
         self._caches.add(cache)
         return cache
+
+    def take_spare(self, n_ctx: int) -> tuple | None:
+        """The spare context (keep_spare) if it has `n_ctx` cells; another size is freed."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare[2] == n_ctx:
+            return spare
+        if spare is not None:
+            self.lib.llama_free(spare[0])
+        return None
+
+    def keep_spare(self, ctx, mem, n_ctx: int) -> None:
+        """Keep a dropped cache's context (one; a second frees the first). Its cells are cleared when it is taken."""
+        if not getattr(self, "handle", None):  # the model is closed: nothing to reuse it with
+            self.lib.llama_free(ctx)
+            return
+        if self._spare is not None:
+            self.lib.llama_free(self._spare[0])
+        self._spare = (ctx, mem, n_ctx)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: GgmlCache, mask: torch.Tensor | None = None,
                 logits_for=None, kv=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -385,6 +420,7 @@ class GgmlModel:
 
     def close(self) -> None:
         if getattr(self, "handle", None):
+            self.take_spare(-1)  # frees it: a context must go before its model
             self.lib.llama_batch_free(self.batch)
             self.lib.llama_model_free(self.handle)
             self.handle = None

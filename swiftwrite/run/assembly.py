@@ -27,6 +27,7 @@ from ..decoding.bans import Bans, PhraseError, check_phrases
 from ..decoding.budget import MAX_BUDGET
 from ..decoding.curves import Curves
 from ..decoding.engine import SOURCES, Engine, make_sources
+from ..decoding import tokenswift
 from ..decoding.heads import HeadsDrafter, HeadsError, TwoPassHeadsDrafter, default_heads_path, load_heads
 from ..decoding.repetition import DrySettings
 from ..decoding.sampling import Sampler, SamplerSettings
@@ -64,7 +65,7 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
     """Everything about the model short of its weights: files, configuration, device, dtype, tokenizer."""
     if ref is None:
         check_gguf_header(Path(cfg.model).expanduser())
-        ref = resolve(cfg.model, log=display.info)
+        ref = resolve(cfg.model, log=display.info, device=cfg.device)
     device, dtype = pick_device(cfg.device, cfg.dtype, display.info)
     threads = cfg.threads
     if cfg.tp > 1 and device == "cpu" and not threads:
@@ -201,7 +202,7 @@ def sampler_settings(cfg: Config, lm: Loaded, text_start: int) -> SamplerSetting
 def ban_list(cfg: Config, lm: Loaded, window: "Window") -> Bans | None:
     """The run's banned phrases (--ban, with --ban-file's already added by the writer), checked against what can be
     written: None when there are none, so a step does no work for them."""
-    if not cfg.ban:
+    if not cfg.ban and not cfg.ban_pattern:
         return None
     phrases = check_phrases(cfg.ban)
     room = window.context - window.prompt
@@ -209,7 +210,7 @@ def ban_list(cfg: Config, lm: Loaded, window: "Window") -> Bans | None:
         if lm.tok is not None and len(lm.tok(p, add_special_tokens=False)["input_ids"]) > room:
             raise PhraseError(f"the banned phrase {p[:40]!r} is longer than the {room} tokens the context leaves for "
                               "writing, so it can never be written; drop it or shorten it.")
-    return Bans(phrases, vocab_bytes(lm.tok, lm.model.cfg.vocab_size))
+    return Bans(phrases, vocab_bytes(lm.tok, lm.model.cfg.vocab_size), cfg.ban_pattern)  # patterns: checked by cfg
 
 
 def text_start_for(cfg: Config, prompt_len: int) -> int:
@@ -302,7 +303,8 @@ def load_head_drafter(lm: Loaded, required: bool, display: Display, cfg: Config 
     elif not able.lean:
         why = (f"multi-token heads need the lean forward, and {lm.ref.name} ('{lm.mcfg.arch}') runs through "
                "transformers; use --draft all or recycling.")
-    elif (path := default_heads_path(lm.ref.fingerprint)) is None:
+    elif (path := default_heads_path(lm.ref.fingerprint)
+          or tokenswift.heads_file(lm.ref.path, lm.ref.fingerprint)) is None:  # a TokenSwift checkpoint's own
         why = (f"no trained heads match {lm.ref.name}; train them with `swiftwrite train-heads --model {lm.ref.name} "
                "--self-distill` or use --draft all.")
     if why and required:
@@ -379,7 +381,7 @@ def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan |
                         threads=lm.threads, tp=lm.tp, context=window.context,
                         drafting=tuple(src.name for src in engine.sources),
                         budget=str(engine.budget) if engine.budget is not None else "auto" if engine.sources else "none",
-                        drafting_off=why, bans=len(engine.bans.phrases) if engine.bans else 0)
+                        drafting_off=why, bans=len(engine.bans.phrases) + len(engine.bans.patterns) if engine.bans else 0)
     limits = Limits(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Limits)})  # as asked, not resolved
     return Session(settings, limits, lm, engine, sched, display, resolved, curves_for(lm), plan=run_plan, notes=notes)
 

@@ -20,8 +20,9 @@ from pathlib import Path
 from ..base import rules
 from ..base.config import Config, resolve
 from ..base.errors import UsageError, UserError
+from ..base.patterns import PatternError, check_patterns
 from ..base.userfiles import Kind, decode, read_text
-from ..decoding.bans import read_ban_file
+from ..decoding.bans import PhraseError, read_ban_file, split_lines
 from ..io.prompt import read_prompt, read_source
 from ..io.batchdir import BatchDir
 from ..io.rundir import RunDir
@@ -94,8 +95,14 @@ def _materials(cfg: Config) -> tuple[Config, str | None, list | None, list[int] 
     configuration: the run's settings keep them, so `resume` never reads the file again) and the outline."""
     source = read_source(cfg.source) if cfg.source else None
     if cfg.ban_file:
-        cfg = dataclasses.replace(cfg, ban=(*cfg.ban, *(p for p in read_ban_file(cfg.ban_file)
-                                                         if p.strip() not in cfg.ban))).validate()
+        phrases, patterns = split_lines(read_ban_file(cfg.ban_file))
+        try:  # named by the file, not the flag; a file's content, so exit 1 as for its other faults
+            patterns = check_patterns(patterns, f"--ban-file {cfg.ban_file}'s pattern")
+        except PatternError as e:
+            raise PhraseError(str(e)) from None
+        cfg = dataclasses.replace(cfg, ban=(*cfg.ban, *(p for p in phrases if p.strip() not in cfg.ban)),
+                                  ban_pattern=(*cfg.ban_pattern, *(p for p in patterns if p not in cfg.ban_pattern)),
+                                  ).validate()
     sections = budgets = None
     if cfg.outline:
         where = f"--outline {cfg.outline}"

@@ -78,7 +78,7 @@ class Resolved:
     drafting: tuple[str, ...]  # the draft sources that run
     budget: str  # draft nodes per step: a number, "auto", or "none"
     drafting_off: str | None  # why drafting does not run although it was asked for, in a sentence
-    bans: int  # banned phrases
+    bans: int  # banned phrases and patterns
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

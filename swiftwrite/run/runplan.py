@@ -178,6 +178,22 @@ def _heads_off(cfg: Config, lm: Loaded, backend: str, names: tuple[str, ...]) ->
     return None
 
 
+# what may differ between the process that wrote a run and the one that resumes it, and what it means
+# (threads and a changed model are said where they are handled: session.py, writer.py)
+RESUMED = {"device": "the device", "backend": "the backend", "dtype": "the dtype", "weights": "the weights"}
+
+
+def differences(written: dict, now: dict) -> list[str]:
+    """A sentence for each choice of the plan `written` (a run directory's plan.json) that the plan `now` (both as
+    RunPlan.to_dict gives them, the backend as loaded) makes otherwise: what changed, not whether the text does."""
+    out = []
+    d = now
+    for key, what in RESUMED.items():
+        if key in written and written[key] != d[key]:
+            out.append(f"resumed with {what} {d[key]} where the run was written with {written[key]}.")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Memory and the context
 

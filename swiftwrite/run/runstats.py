@@ -59,7 +59,7 @@ class RunStats:
 
     def count(self, step: Step, sources) -> None:
         n = len(step.tokens)
-        self.forwards += 0 if step.forced else 1
+        self.forwards += 0 if step.forced or not step.forward_tokens else 1  # end_text's step ran none
         self.forced += n if step.forced else 0
         self.drafted += step.drafted
         self.backtracks += step.backtracks

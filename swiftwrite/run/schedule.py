@@ -183,19 +183,32 @@ def ender_ids(tok, vocab: int) -> frozenset:
 
 def drive(engine, sched: Schedule, n_new: int, out: list[int]):
     """Yield the engine's steps and the forced headings (engine.Step with forced=True) until `n_new` more tokens
-    are committed; `out` is the output so far and grows with each step."""
-    target = len(out) + n_new
-    while len(out) < target and not engine.stopped:
-        ids = sched.due(out, len(out))
+    are committed; `out` is the output so far and grows with each step's tokens.
+
+    The rule reads the tokens the engine has committed. With bans those run ahead of the steps' (final) tokens and
+    may be taken back; a heading ends the text before it as the run's end does (engine.end_text: a pattern waiting
+    on the next character completes, or every token becomes final), and the bans start again after it."""
+    p0 = engine.n - len(out)  # where the output begins among the engine's tokens
+    target = engine.n + n_new
+    while engine.n < target and not engine.stopped:
+        n = engine.n - p0
+        ids = sched.due(engine.S.numpy()[p0 : engine.n], n)
+        if ids is not None and engine.bans is not None:
+            step = engine.end_text()
+            out.extend(step.tokens)
+            if step.tokens or step.backtracks:
+                yield step
+            if step.backtracks:
+                continue
         if ids is not None:
-            ids = ids[: target - len(out)]  # never past --tokens, even inside a heading
-            sched.mark(len(out))
+            ids = ids[: target - engine.n]  # never past --tokens, even inside a heading
+            sched.mark(n)
             engine.force(ids)
             out.extend(ids)
             yield Step(list(ids), 0, 0, [], forced=True)
             continue
-        cap, ends = sched.limits(len(out))
-        left = target - len(out)
-        step = engine.step(left if cap is None else min(cap, left), ends=ends)
+        cap, ends = sched.limits(n)
+        left = target - engine.n
+        step = engine.step(left if cap is None else min(cap, left), ends=ends, last=cap is None or left <= cap)
         out.extend(step.tokens)
         yield step

@@ -9,6 +9,7 @@ stats JSON are all read from that one record.
 from __future__ import annotations
 
 import io
+import json
 import os
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..base.durable import atomic_write
 from ..base.errors import RankLost, UserError
 from ..base.machine import peak_rss
 from ..base.metrics import distinct, distinct_per_window, longest_repeat
@@ -28,6 +30,7 @@ from ..decoding.repetition import LOOP_WARN, LoopWatch
 from ..io.cellfiles import CellFiles
 from ..io.prompt import TextStream
 from ..io.rundir import RunDir
+from ..io.runfiles import PLAN
 from ..io.ui import QUALITY_WINDOW, WORDS_WINDOW, Display, Progress
 from ..models import threads
 from ..models.backends import cpu_extensions
@@ -113,6 +116,7 @@ class Session:
         fit, and fit the draft budget to the rest of the run."""
         engine, owner = self.engine, self.engine.model.abilities.saves_cells
         self.cells = CellFiles(rd.path, f"{self.lm.ref.fingerprint}/{owner}") if owner else None
+        self._record_plan(rd)
         with interrupted_before_the_loop(rd):
             t = time.perf_counter()
             engine.start(ids, self.cells.read() if self.cells else ())
@@ -126,6 +130,20 @@ class Session:
                                       "saved them; the rest computed")
             if self.curves is not None:
                 self.curves.fit(engine, upto=len(rd.prompt_ids) + self.limits.tokens)
+
+    def _record_plan(self, rd: RunDir) -> None:
+        """Keep this process's plan in the run directory; a resume first says what it plans otherwise."""
+        if self.plan is None:
+            return
+        path = rd.path / PLAN
+        try:
+            written = json.loads(path.read_text()) if path.is_file() else None
+        except (OSError, ValueError):
+            written = None  # a damaged record is only a record: the run's own files decide what runs
+        now = {**self.plan.to_dict(), "backend": self.lm.backend}  # `auto` as it was timed
+        for line in runplan.differences(written, now) if isinstance(written, dict) else ():
+            self.display.info(line)
+        atomic_write(path, json.dumps(now, indent=1).encode())
 
     def _save_cells(self) -> None:
         """The cells written since the last checkpoint, as one more stretch; all of them again after a rebuild.
@@ -182,10 +200,12 @@ class Session:
             "weights": lm.weights, "backend": lm.backend, "cpu": cpu_extensions(), "text_pending_tokens": pending,
             "earlier_processes": st.history,
             "longest_current_repeat": st.repeat, **({"stopped": st.stopped} if st.stopped else {}),
-            **({"banned_phrases": {"phrases": len(engine.bans.phrases), "backtracks": st.backtracks}}
+            **({"banned_phrases": {"phrases": len(engine.bans.phrases), "patterns": len(engine.bans.patterns),
+                                   "backtracks": st.backtracks}}
                if engine.bans else {}),
             "threads": torch.get_num_threads(), **({"thread_changes": gov.changes} if gov else {}),
             "tp": lm.tp,  # the ranks this text came from: resume keeps it (ranks.recorded)
+            "prefill_seconds": round(self.prefill[0], 3),  # a new run's prompt, before `seconds` start
             **({"estimated_seconds": round(self.plan.estimate, 3) if self.plan.estimate is not None else None,
                 "planned_memory_bytes": self.plan.memory.total} if self.plan else {}),
             **({"resolved": self.resolved.to_dict()} if self.resolved else {}),

@@ -136,7 +136,8 @@ def write_new(inputs: Inputs, lm: Loaded, display: Display) -> int:
         # The run records the settings it really uses (session.settings): `auto` may have become bfloat16 for lack of
         # memory, the faster backend here, and a resume must not pick others when memory or the machine differ then.
         rd = RunDir.create(path, session.settings, text, ids, lm.ref.fingerprint, outline=plan.to_json() if plan else None,
-                           outline_md=outlines.render(sections, budgets) if plan else "", memory=kept)
+                           outline_md=outlines.render(sections, budgets) if plan else "", memory=kept,
+                           origin=lm.ref.origin)
         try:
             ranks.report_run_dir(rd.path)
             display.info(f"run directory: {rd.path}")
@@ -253,7 +254,7 @@ def _opened_run(rd: RunDir, tokens: int | None, out_path: Path | None, tp: int, 
 def _reopen_model(cfg: Config, rd: RunDir, force: bool, complete: bool, display: Display) -> Loaded:
     """The run's model, checked against the one that wrote it; a damaged output.txt rebuilt from the ids."""
     check_device(cfg)  # a missing GPU is reported before any model file is read
-    ref = resolve(cfg.model, log=display.info)
+    ref = resolve(cfg.model, log=display.info, device=cfg.device)
     if ref.fingerprint != rd.fingerprint:
         if not force:
             raise UserError(rules.another_model(rd.path, rd.fingerprint, ref.fingerprint, "Use --force to do it anyway."))

@@ -28,18 +28,19 @@ from pathlib import Path
 from ..base.machine import cores
 from ..io.batchdir import BatchDir
 from ..io.ui import BatchProgress, Display, Progress
+from ..run.inputs import Job, check_writable
+from ..run.runstats import write_stats_json
 from . import howmany
-from .inputs import Job, check_writable
 from .pool import Pool
-from .raypool import RayPool, connected
-from .runstats import write_stats_json
+from .rayjoin import connected
+from .raypool import RayPool
 from .workers import INTERRUPTED, LOOPED, WRITTEN, DocumentDisplay, Models, Task, write_document
 
 ENDED = ("done", "stopped")  # what a resume leaves alone: written to its target, or ended at a loop by the user's rule
 
 
 def start(jobs: list[Job], jobs_name: str, out_dir: Path, quiet: bool, no_live: bool, stats_json: Path | None,
-          parallel: int | str = 1, ray: str | None = None) -> int:
+          parallel: int | str = 1, ray: str | None = None, verbose: bool = False) -> int:
     """A new batch of `jobs` (inputs.read_jobs) in `out_dir`, `parallel` documents at a time (on each node of the
     Ray cluster at `ray`, where given; `auto`: howmany.choose, kept in the manifest as the number it chose); the exit
     code."""
@@ -48,7 +49,8 @@ def start(jobs: list[Job], jobs_name: str, out_dir: Path, quiet: bool, no_live: 
     display = Display(Display.choose(quiet, no_live))
     if parallel == "auto":
         parallel = howmany.choose(jobs[0].inputs.cfg, len(jobs), display)
-    with connected(ray, cores()) as cluster:  # a cluster that cannot be had is refused before anything is written
+    # a cluster that cannot be had is refused before anything is written
+    with connected(ray, cores(), verbose) as cluster:
         # `out` as an absolute path: a resume may run from another folder
         bd = BatchDir.create(out_dir, jobs_name, [(j.line, j.name, str(j.inputs.out.resolve()), j.inputs.record())
                                                   for j in jobs], parallel)
@@ -58,13 +60,14 @@ def start(jobs: list[Job], jobs_name: str, out_dir: Path, quiet: bool, no_live: 
             bd.close()
 
 
-def resume(out_dir: Path, quiet: bool, no_live: bool, stats_json: Path | None, ray: str | None = None) -> int:
+def resume(out_dir: Path, quiet: bool, no_live: bool, stats_json: Path | None, ray: str | None = None,
+           verbose: bool = False) -> int:
     """Continue every document of the batch in `out_dir` that has not ended (written, or stopped at a loop), as many
     at a time as the batch was started with (on each node of the Ray cluster at `ray`, where given)."""
     check_writable(stats_json, "--stats-json")
     bd = BatchDir.open(out_dir)
     try:
-        with connected(ray, cores()) as cluster:
+        with connected(ray, cores(), verbose) as cluster:
             return _write(bd, Display(Display.choose(quiet, no_live)), stats_json, cluster)
     finally:
         bd.close()
@@ -172,8 +175,10 @@ def _ended(bd: BatchDir, d: dict, code: int, why: str | None, tally: _Tally, dis
 
 
 def _task(bd: BatchDir, d: dict) -> Task:
+    """A document for a worker, its paths absolute: a Ray actor's working directory is where its node's `ray start`
+    ran, not this process's (absolute, not resolved: a shared folder may be a link, named alike on every node)."""
     name = d["name"]
-    return Task(name, d["out"], bd.job(name), str(bd.run_dir(name)), str(bd.stats_file(name)))
+    return Task(name, d["out"], bd.job(name), str(bd.run_dir(name).absolute()), str(bd.stats_file(name).absolute()))
 
 
 def _entry(bd: BatchDir, name: str) -> dict:

@@ -27,8 +27,8 @@ from ..io.ui import Display
 from ..models.backends import cpu_extensions, gguf_path, torch_capability
 from ..models.peers import llamacpp_generate, load_llamacpp
 from ..tensors.weightfiles import keep_float_copy
-from . import assembly
-from .assembly import build_engine, fit_budget
+from ..run import assembly
+from ..run.assembly import build_engine, fit_budget
 
 # name -> the configuration fields it sets; None: a peer (transformers generate, llama.cpp's own loop on the same GGUF)
 METHODS = {

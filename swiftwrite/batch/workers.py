@@ -32,10 +32,10 @@ from typing import Callable
 from ..base.errors import UserError
 from ..base.machine import die_with_parent
 from ..io.ui import Display, Progress
-from .assembly import load_weights, open_model
-from .inputs import Inputs
-from .records import MODEL_OPTIONS, Loaded
-from .writer import continue_document, write_new
+from ..run.assembly import load_weights, open_model
+from ..run.inputs import Inputs
+from ..run.records import MODEL_OPTIONS, Loaded
+from ..run.writer import continue_document, write_new
 
 # a document's exit (writer.generate's): written; stopped at a loop (--stop-on-loop); interrupted by SIGINT / SIGTERM
 WRITTEN, FAILED, LOOPED, INTERRUPTED = 0, 1, 3, (130, 143)

@@ -24,8 +24,8 @@ from ..base.machine import cores, die_with_parent, peak_rss
 from ..base.errors import UserError
 from ..io.ui import Display
 from ..models import backends
-from .assembly import open_model
-from .devices import free_memory
+from ..run.assembly import open_model
+from ..run.devices import free_memory
 from .workers import Deferred, Models
 
 FILE = "parallel.json"

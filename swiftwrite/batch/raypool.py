@@ -15,9 +15,7 @@ the node is gone. A document that has lost LOSSES actors is left to `swiftwrite 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import logging
 import os
 import signal
 import socket
@@ -25,73 +23,15 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
-from ..base.durable import os_reason
-from ..base.errors import UsageError, UserError
+from ..base.errors import UserError
 from ..io.ui import Display
+from .rayjoin import import_ray
 from .workers import FAILED, INTERRUPTED, DocumentDisplay, Models, Task, write_task
 
-LOCAL = "local"  # --ray local: a cluster started in this process, on this machine's cores
-CONNECT_WAIT = 5.0  # seconds to wait for a cluster's head to answer: ray.init itself waits minutes for a silent one
 START_WAIT = 120.0  # seconds for an actor to start (Ray may be waiting for a node's CPUs to come free)
 POLL = 0.25  # seconds between looks at the actors while none ends: the panel's clock
 LOSSES = 3  # actors a document may lose before it is left to a resume: one that kills every actor it meets (its
             # memory) must not take down the cluster's actors one by one
-
-
-def missing_ray() -> str:
-    return ("--ray needs Ray, which is not installed here; install it with `pip install -e '.[ray]'` (or "
-            "`pip install \"ray>=2.9\"`) and run the batch again.")
-
-
-def import_ray():
-    """The ray module, or a UserError saying how to install it."""
-    try:
-        # Ray is an optional extra (pip install -e '.[ray]'), imported only when --ray is given
-        import ray
-        import ray.util.scheduling_strategies
-    except ImportError:
-        raise UserError(missing_ray()) from None
-    return ray
-
-
-@contextlib.contextmanager
-def connected(address: str | None, cores: int):
-    """Ray joined to the cluster at `address` (or one started here for `local`, on `cores` CPUs) for the duration;
-    None where `address` is None. Refused in one sentence, before the batch writes anything."""
-    if address is None:
-        yield None
-        return
-    ray = import_ray()
-    # the actors' own output stays in Ray's logs: what a document says comes back with its result
-    quiet = {"log_to_driver": False, "logging_level": logging.ERROR}
-    if address == LOCAL:
-        ray.init(num_cpus=cores, include_dashboard=False, **quiet)
-    else:
-        _probe(address)
-        try:
-            ray.init(address=address, **quiet)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            raise UserError(f"could not join the Ray cluster at {address} ({e}); check the address, or use "
-                            "--ray local.") from None
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
-def _probe(address: str) -> None:
-    """Refuse at once an address where nothing answers (ray.init waits two minutes and more for it)."""
-    if address == "auto":  # the cluster `ray start` began on this machine: ray.init says at once if there is none
-        return
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        raise UsageError(f"--ray {address}: give the cluster's head as HOST:PORT, `auto` for the cluster `ray start` "
-                         "began on this machine, or `local` to start one here.")
-    try:
-        socket.create_connection((host, int(port)), timeout=CONNECT_WAIT).close()
-    except OSError as e:
-        raise UserError(f"nothing answers at the Ray address {address} ({os_reason(e) or 'no answer'}); start the "
-                        "cluster's head there (`ray start --head`), give its address, or use --ray local.") from None
 
 
 class Writer:
@@ -103,9 +43,10 @@ class Writer:
         self.display = DocumentDisplay(lambda kind, text: self.said.append((kind, text)), lambda p, force: None)
         self.models = Models(self.display, threads)
 
-    def where(self) -> tuple[str, int]:
-        """Its node's name and its process id, which the manifest gives for the document it writes."""
-        return socket.gethostname(), os.getpid()
+    def where(self) -> tuple[str, int, str]:
+        """Its machine's name, its process id and its Ray node's id, which the manifest gives for the document it
+        writes (two nodes may share a machine)."""
+        return socket.gethostname(), os.getpid(), import_ray().get_runtime_context().get_node_id()
 
     def write(self, task: Task) -> tuple[str, int, str | None, list]:
         """workers.write_task's (kind, code, why), and the document's notices and alerts as (kind, text)."""
@@ -129,7 +70,7 @@ class _Slot:
     threads: int
     local: bool  # on this machine: a stop reaches its process by a signal
     actor: object = None
-    where: tuple[str, int] = ("", 0)  # Writer.where
+    where: tuple[str, int, str] = ("", 0, "")  # Writer.where
 
 
 def _slots(ray, parallel: int, documents: int, display: Display) -> list[_Slot]:
@@ -164,9 +105,9 @@ class RayPool:
 
     def run(self, tasks: list[Task], started: Callable[..., None], ended: Callable[[str, int, str | None], None],
             show: Callable[[dict], None]) -> tuple[int, list[str]]:
-        """Write `tasks`; `started(name, node=, pid=)` (the actor's), `ended(name, code, why)` and `show({})` as they
-        go. Returns 0 or the signal's exit code (130 / 143), and the documents handed back to be written alone (as
-        Pool.run)."""
+        """Write `tasks`; `started(name, node=, pid=, ray_node=)` (the actor's: Writer.where), `ended(name, code,
+        why)` and `show({})` as they go. Returns 0 or the signal's exit code (130 / 143), and the documents handed
+        back to be written alone (as Pool.run)."""
         pending, alone, writing, lost = deque(tasks), [], {}, Counter()  # writing: the write's ref -> (slot, task)
         self._start(self.slots)
         old = {s: signal.signal(s, lambda signum, frame: self._stop(signum, writing)) for s in (signal.SIGINT,
@@ -178,7 +119,7 @@ class RayPool:
                     if id(slot) not in busy and pending and not self.signum:
                         task = pending.popleft()
                         writing[slot.actor.write.remote(task)] = (slot, task)
-                        started(task.name, node=slot.where[0], pid=slot.where[1])
+                        started(task.name, node=slot.where[0], pid=slot.where[1], ray_node=slot.where[2])
                 done, _ = self.ray.wait(list(writing), num_returns=1, timeout=POLL)
                 if done:
                     slot, task = writing.pop(done[0])
@@ -217,7 +158,7 @@ class RayPool:
     def _lost(self, slot: _Slot, task: Task, pending: deque, lost: Counter, ended) -> None:
         """An actor died writing `task`: the document goes back to the front of the queue (or, after LOSSES actors,
         to a resume), and a replacement actor starts: on the same node, or elsewhere if the node is gone."""
-        host, pid = slot.where
+        host, pid, _ = slot.where
         lost[task.name] += 1
         if lost[task.name] >= LOSSES:
             ended(task.name, FAILED, f"{LOSSES} Ray actors died while writing it (the last: process {pid} on {host}); "
