@@ -5,8 +5,9 @@ itself), and the speed past the window with the notes on and off.
 
     python bench/memory_recall.py --out bench/results/memory_recall-DATE.json
 
-Each run is `swiftwrite generate` in a process of its own (the default model, as `auto` loads it), `--template
-novel`, sampled with the default settings, `--context` small enough to rebuild the context several times. Names
+Each run is `swiftwrite generate` in a process of its own (the default model, as `auto` loads it), a story's opening
+continued with `--raw`, sampled with the default settings, `--context` small enough to rebuild the context several
+times. Names
 "established before the first rebuild" are memory.recall_names of the text before it (used >= 3 times, outside the
 brief); a stretch "names" one when its text holds the word. The memory run's own names (Mara, Tobin, Harrow) are
 counted the same way, in that run and in the `--recall none` run of its brief. Speed: tokens per second between the
@@ -31,10 +32,13 @@ from swiftwrite.models.modelfiles import load_tokenizer
 from swiftwrite.models.store import resolve
 from swiftwrite.run.memory import recall_names
 
+# Story openings, continued with --raw: the default 135M model, given a brief through the chat template, seldom names
+# anyone (first person, "she", "the woman": no name used 3 times before the first rebuild in either of two briefs
+# tried); an opening that stops where a name comes makes it invent one and go on using it
 BRIEFS = {
-    "lighthouse": (common.ROOT / "prompts" / "lighthouse.txt").read_text().strip(),
-    "bakery": "Three sisters keep their late mother's bakery open in a flooded river town, and over one spring a "
-              "rival baker, a debt and an old recipe book test what holds them together.",
+    "keeper": "The Keeper of Skerra\n\nChapter One\n\nThe new keeper of the northern light was a woman called",
+    "harbour": "The Harbourmaster\n\nChapter One\n\nThe harbourmaster of the little port was an old man named",
+    "orchard": "The Orchard Years\n\nChapter One\n\nThe farm had passed to the youngest daughter, whose name was",
 }
 MEMORY = """The keeper is Mara Vell, sixty, deaf in one ear; she keeps the light on the island of Skerra.
 Her brother Tobin drowned in a storm twenty years ago; the stranger washed ashore carries his compass.
@@ -57,7 +61,7 @@ ap.add_argument("--tokens", type=int, default=4000)
 ap.add_argument("--stretch", type=int, default=1000, help="tokens per later stretch")
 ap.add_argument("--briefs", default=",".join(BRIEFS))
 ap.add_argument("--threads", type=int, default=1, help="per run (1: steadier figures on a shared machine)")
-ap.add_argument("--memory-run", default="lighthouse", help="the brief also run with --memory and --lore ('' = none)")
+ap.add_argument("--memory-run", default="keeper", help="the brief also run with --memory and --lore ('' = none)")
 ap.add_argument("--out", default=None)
 a = ap.parse_args()
 
@@ -71,7 +75,7 @@ def run(name: str, brief: str, *extra: str) -> dict:
     """One `generate` run; its tokens, text figures and speed past the window."""
     (work / f"{name}.txt").write_text(brief)
     rd, stats = work / f"run-{name}", work / f"{name}.json"
-    cmd = [sys.executable, "-m", "swiftwrite", "generate", str(work / f"{name}.txt"), "--template", "novel",
+    cmd = [sys.executable, "-m", "swiftwrite", "generate", str(work / f"{name}.txt"), "--raw",
            "--tokens", str(a.tokens), "--context", str(a.context), "--threads", str(a.threads), "--run-dir", str(rd),
            "--out", str(work / f"{name}.out"), "--quiet", "--stats-json", str(stats), *extra]
     t = time.time()
@@ -118,7 +122,7 @@ for key in a.briefs.split(","):
 
 m = common.machine()
 print(f"machine: {m['cpu']}, ISA {'/'.join(m['isa']) or 'not recorded'}, {m['cores']} cores; {m['date']}")
-print(f"settings: default model, --template novel, --context {a.context}, --tokens {a.tokens}, --threads {a.threads}, "
+print(f"settings: default model, --raw story openings, --context {a.context}, --tokens {a.tokens}, --threads {a.threads}, "
       f"stretches of {a.stretch} tokens after the first rebuild, defaults otherwise (sampled)")
 print("| brief | run | names established before the first rebuild | later stretches naming them (sum) | "
       "memory's names | Distinct-4 | longest repeat | tokens/s past the window |")
