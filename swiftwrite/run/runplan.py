@@ -42,6 +42,9 @@ HEADROOM = 0.05  # of the free memory kept free beside a run (the allocator's sl
 MIN_HEADROOM = 512 << 20  # ... and at least this much
 BUCKET = 1024  # tokens of context per kept rate
 RATES = "run_rates.json"  # in $SWIFTWRITE_HOME, beside the cost curves
+# Earlier runs' weight when a new run's costs are kept: a machine's load and clock change over days (a busy day's
+# runs would otherwise stretch every later estimate), so the latest run counts as much as all before it together
+FADE = 0.5
 
 
 @dataclass(frozen=True)
@@ -282,17 +285,17 @@ def rate_key(fingerprint: str, backend: str, weights: str, dtype: str, threads: 
 
 
 def keep_rates(key: str, seconds: dict[int, float], tokens: dict[int, int], prefill: tuple[float, int]) -> None:
-    """Keep a run's cost per token in each context bucket (seconds, tokens), merged with what earlier runs kept, and
-    its prefill's seconds per token."""
+    """Keep a run's cost per token in each context bucket (seconds, tokens), merged with what earlier runs kept (their
+    weight faded by FADE where this run measured too), and its prefill's seconds per token."""
     old = measurements.kept(measurements.file(RATES), key, _rates) or {"buckets": {}, "prefill": [0.0, 0]}
     buckets = {int(b): list(v) for b, v in old["buckets"].items()}
     for b, s in seconds.items():
         if tokens.get(b):
             t0, n0 = buckets.get(b, [0.0, 0])
-            buckets[b] = [t0 + s, n0 + tokens[b]]
+            buckets[b] = [FADE * t0 + s, FADE * n0 + tokens[b]]
     pre = old["prefill"]
     if prefill[1]:
-        pre = [pre[0] + prefill[0], pre[1] + prefill[1]]
+        pre = [FADE * pre[0] + prefill[0], FADE * pre[1] + prefill[1]]
     measurements.keep(measurements.file(RATES), key, {"buckets": {str(b): v for b, v in sorted(buckets.items())},
                                                       "prefill": pre})
 
