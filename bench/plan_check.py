@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -22,14 +23,14 @@ ROOT = common.ROOT
 
 
 def one(tokens: int, prompt: Path, extra: list[str], work: Path) -> dict:
+    """One dry run and the real run after it (in `work`, a folder of its own), compared."""
     base = [sys.executable, "-m", "swiftwrite.cli", "generate", str(prompt), "--tokens", str(tokens), *extra]
     dry = subprocess.run(base + ["--dry-run", "--json"], cwd=ROOT, capture_output=True, text=True, check=True)
     plan = json.loads(dry.stdout)
-    stats = work / f"stats-{tokens}.json"
-    run_dir = work / f"run-{tokens}"
+    stats, run_dir = work / "stats.json", work / "run"
     t0 = time.perf_counter()
     p = subprocess.Popen(base + ["--run-dir", str(run_dir), "--stats-json", str(stats), "--quiet", "--out",
-                                 str(work / f"out-{tokens}.txt")], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                 str(work / "out.txt")], cwd=ROOT, stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE)
     rc, peak = common.wait_child(p.pid)
     wall = time.perf_counter() - t0
@@ -55,11 +56,12 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     work = Path(a.work)
-    work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)  # a run directory left by an earlier check would refuse the run
     report = {"date": common.now(), "machine": common.machine(), "prompt": a.prompt,
               "settings": {"template": a.template, "everything else": "default"}, "runs": []}
-    for n in (int(x) for x in a.tokens.split(",")):
-        row = one(n, Path(a.prompt), ["--template", a.template], work)
+    for i, n in enumerate(int(x) for x in a.tokens.split(",")):
+        (work / str(i)).mkdir(parents=True)
+        row = one(n, Path(a.prompt), ["--template", a.template], work / str(i))
         report["runs"].append(row)
         print(json.dumps(row), flush=True)
     common.write_report(a.out, report, indent=2, newline=True)

@@ -112,18 +112,19 @@ def test_estimate_adds_the_kept_rate_of_each_tokens_bucket(tmp_path, monkeypatch
     lengths = runplan._contexts(Window(4096, 100), 100, 3000)
     per_bucket = {0: 0.01, 1: 0.02, 2: 0.03, 3: 0.04}  # 1 and 3 on the line through 0 and 2
     assert seconds == pytest.approx(sum(per_bucket[int(c) // 1024] for c in lengths) + 100 * 0.001, rel=1e-6)
-    assert "2 context buckets" in basis
+    assert "2,000 tokens in 2 context buckets" in basis
 
 
-def test_the_latest_run_weighs_as_much_as_all_before_it(tmp_path, monkeypatch):
+def test_one_run_on_a_faster_machine_corrects_the_estimate_of_every_context(tmp_path, monkeypatch):
     monkeypatch.setenv("SWIFTWRITE_HOME", str(tmp_path))
     key = "m/ggml/gguf/float32/2t/x/all/auto"
-    for per_token in (0.04, 0.04, 0.04, 0.01):  # three runs on a busy machine, then one on a quiet one
-        runplan.keep_rates(key, {0: per_token * 500}, {0: 500}, (0.0, 0))
-    seconds, _ = runplan.estimate(key, None, 4096, 100, 500)
-    faded = 0.5 ** 3 + 0.5 ** 2 + 0.5
-    assert seconds == pytest.approx(500 * (0.04 * faded + 0.01) / (faded + 1), rel=1e-6)
-    assert seconds < 500 * 0.025  # nearer the latest than the average of the four
+    for _ in range(3):  # a busy machine: 40 ms a token at short contexts, 120 ms past 2K
+        runplan.keep_rates(key, {0: 20.0, 2: 60.0}, {0: 500, 2: 500}, (0.4, 100))
+    runplan.keep_rates(key, {0: 5.0}, {0: 500}, (0.1, 100))  # then one short run on a quiet one: 4x faster
+    seconds, _ = runplan.estimate(key, None, 4096, 100, 3000)
+    lengths = runplan._contexts(Window(4096, 100), 100, 3000)
+    per_bucket = {0: 0.01, 1: 0.02, 2: 0.03, 3: 0.04}  # every bucket at the quiet machine's speed
+    assert seconds == pytest.approx(sum(per_bucket[int(c) // 1024] for c in lengths) + 100 * 0.001, rel=1e-6)
 
 
 def test_the_plan_says_every_choice_and_fits_the_8b(machine, tmp_path, monkeypatch):

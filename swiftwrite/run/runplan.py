@@ -42,9 +42,6 @@ HEADROOM = 0.05  # of the free memory kept free beside a run (the allocator's sl
 MIN_HEADROOM = 512 << 20  # ... and at least this much
 BUCKET = 1024  # tokens of context per kept rate
 RATES = "run_rates.json"  # in $SWIFTWRITE_HOME, beside the cost curves
-# Earlier runs' weight when a new run's costs are kept: a machine's load and clock change over days (a busy day's
-# runs would otherwise stretch every later estimate), so the latest run counts as much as all before it together
-FADE = 0.5
 
 
 @dataclass(frozen=True)
@@ -285,19 +282,25 @@ def rate_key(fingerprint: str, backend: str, weights: str, dtype: str, threads: 
 
 
 def keep_rates(key: str, seconds: dict[int, float], tokens: dict[int, int], prefill: tuple[float, int]) -> None:
-    """Keep a run's cost per token in each context bucket (seconds, tokens), merged with what earlier runs kept (their
-    weight faded by FADE where this run measured too), and its prefill's seconds per token."""
+    """Keep a run's cost per token in each context bucket (seconds, tokens) and its prefill's, merged with what earlier
+    runs kept. A machine's speed changes (a busy day is 3-7x slower than a quiet one on 2 cores), so the earlier
+    costs are first scaled by how this run's costs compare with theirs in the buckets both measured: one run on a
+    quiet machine corrects the estimate of every context, the contexts it did not reach included."""
     old = measurements.kept(measurements.file(RATES), key, _rates) or {"buckets": {}, "prefill": [0.0, 0]}
     buckets = {int(b): list(v) for b, v in old["buckets"].items()}
-    for b, s in seconds.items():
-        if tokens.get(b):
-            t0, n0 = buckets.get(b, [0.0, 0])
-            buckets[b] = [FADE * t0 + s, FADE * n0 + tokens[b]]
+    new = {b: (s, tokens[b]) for b, s in seconds.items() if tokens.get(b)}
+    shared = [b for b in new if buckets.get(b, [0.0, 0])[1]]
+    then = sum(buckets[b][0] / buckets[b][1] * new[b][1] for b in shared)
+    scale = sum(new[b][0] for b in shared) / then if shared and then > 0 else 1.0
+    for b, (s, n) in new.items():
+        t0, n0 = buckets.get(b, [0.0, 0])
+        buckets[b] = [t0 + s / scale, n0 + n]  # in the earlier runs' terms, all scaled together below
     pre = old["prefill"]
     if prefill[1]:
-        pre = [FADE * pre[0] + prefill[0], FADE * pre[1] + prefill[1]]
-    measurements.keep(measurements.file(RATES), key, {"buckets": {str(b): v for b, v in sorted(buckets.items())},
-                                                      "prefill": pre})
+        pre = [pre[0] + prefill[0] / scale, pre[1] + prefill[1]]
+    measurements.keep(measurements.file(RATES), key, {
+        "buckets": {str(b): [t * scale, n] for b, (t, n) in sorted(buckets.items())},
+        "prefill": [pre[0] * scale, pre[1]]})
 
 
 def _rates(entry) -> dict | None:
