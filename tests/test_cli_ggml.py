@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from gates import FullPipe, Holds
+from swiftwrite.io import cellfiles
 from test_cli import SAMPLED, Background, clean_env, killed_between_checkpoints, read_tokens, sw, text_of
 
 if not os.environ.get("SWIFTWRITE_REQUIRE_GGML"):
@@ -134,3 +135,25 @@ def test_repacked_weights_run_without_drafts_record_their_backend_and_resume_to_
     p = sw("resume", d, "--tokens", T, "--quiet", env=clean_env(SWIFTWRITE_BACKEND="ggml"), cwd=work)
     assert p.returncode == 0, p.stderr
     assert read_tokens(d) == read_tokens(whole) and text_of(d) == text_of(whole)
+
+
+def test_a_checkpoint_saves_its_cells_a_stretch_at_a_time_and_resume_puts_every_stretch_back(work):
+    """Saving a stretch of cells holds it twice in memory for a moment, so a checkpoint past cellfiles.STRETCH new cells
+    writes several files of at most STRETCH cells; a resume reads them all back, in order, to the same text."""
+    n, chunk = cellfiles.STRETCH + 60, cellfiles.STRETCH + 8  # the first checkpoint holds more than one stretch
+    ref = run(work, "stretch-ref", *GREEDY, "--tokens", n)
+    d, tmp = work / "stretch", work / "stretch.proc"
+    tmp.mkdir()
+    with Holds(tmp / "holds") as holds, FullPipe() as pipe:
+        bg = Background(tmp, ["generate", work / "prompt.txt", "--run-dir", d, "--tokens", n, "--chunk", chunk,
+                              *GREEDY, "--quiet"], env=env(**holds.env()), stdout=pipe.w)
+        killed_between_checkpoints(d, bg, holds, pipe, chunk)
+        bg.proc.kill()
+        bg.finish()
+    spans = [json.loads(f.read_bytes().split(b"\n", 2)[1]) for f in sorted((d / "cells").glob("*.cells"))]
+    assert len(spans) >= 2 and all(s["end"] - s["start"] <= cellfiles.STRETCH for s in spans)
+    assert [s["start"] for s in spans[1:]] == [s["end"] for s in spans[:-1]] and spans[0]["start"] == 0
+    p = sw("resume", d, "--no-live", env=env(), cwd=work)
+    assert p.returncode == 0, p.stderr
+    assert f"context: {spans[-1]['end']} tokens' cells put back".encode() in p.stderr
+    assert read_tokens(d) == read_tokens(ref) and text_of(d) == text_of(ref)

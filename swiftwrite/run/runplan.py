@@ -32,6 +32,7 @@ from ..decoding.budget import MAX_BUDGET
 from ..decoding.engine import SOURCES
 from ..decoding.heads import default_heads_path
 from ..decoding.window import MIN_FREE, Window
+from ..io import cellfiles
 from ..io.ui import dtype_name, human_bytes
 from ..models import backends, ggmlmodel
 from ..tensors.kvcache import KVCache
@@ -210,6 +211,7 @@ def memory(lm: Loaded, context: int) -> Memory:
     slots = context + 1 + MAX_BUDGET
     if backend in backends.LLAMA:
         kv, buffers = ggmlmodel.memory_bytes(lm.mcfg, slots)
+        buffers += 2 * kv * cellfiles.STRETCH // slots  # a checkpoint's stretch of cells, copied twice as it is saved
         weights = 0 if lm.model is not None else backends.file_bytes(backend, lm.ref.path)
         cells = kv
     else:

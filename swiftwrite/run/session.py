@@ -27,6 +27,7 @@ from ..decoding.bans import MAX_RETRIES
 from ..decoding.curves import Curves
 from ..decoding.engine import SOURCES, Engine, Step
 from ..decoding.repetition import LOOP_WARN, LoopWatch
+from ..io import cellfiles
 from ..io.cellfiles import CellFiles
 from ..io.prompt import TextStream
 from ..io.rundir import RunDir
@@ -154,9 +155,10 @@ class Session:
         if span != engine.span or end < saved:  # another context; cells taken back (a banned phrase)
             self.cells.clear()
             span, saved = engine.span, 0
-        if end > saved:
-            self.cells.write(saved, end, engine.context_key(end), engine.cache.save_cells(saved, end))
-            saved = end
+        while saved < end:  # a stretch at a time (cellfiles.STRETCH: what the saving copies in memory)
+            upto = min(end, saved + cellfiles.STRETCH)
+            self.cells.write(saved, upto, engine.context_key(upto), engine.cache.save_cells(saved, upto))
+            saved = upto
         self.cells_saved = (span, saved)
 
     # -- what the panel, the checkpoints and the stats JSON show, all read from RunStats
