@@ -112,7 +112,7 @@ def test_estimate_adds_the_kept_rate_of_each_tokens_bucket(tmp_path, monkeypatch
     lengths = runplan._contexts(Window(4096, 100), 100, 3000)
     per_bucket = {0: 0.01, 1: 0.02, 2: 0.03, 3: 0.04}  # 1 and 3 on the line through 0 and 2
     assert seconds == pytest.approx(sum(per_bucket[int(c) // 1024] for c in lengths) + 100 * 0.001, rel=1e-6)
-    assert "2,000 tokens in 2 context buckets" in basis
+    assert "1,500 tokens in 2 context buckets" in basis  # bucket 0: the second run's 500 tokens replace the first's
 
 
 def test_one_run_on_a_faster_machine_corrects_the_estimate_of_every_context(tmp_path, monkeypatch):

@@ -42,6 +42,7 @@ from .records import Loaded
 HEADROOM = 0.05  # of the free memory kept free beside a run (the allocator's slack, the page cache the OS needs) ...
 MIN_HEADROOM = 512 << 20  # ... and at least this much
 BUCKET = 1024  # tokens of context per kept rate
+OWN_BUCKET = 256  # tokens a run writes in a bucket for its cost there to replace the earlier runs' (keep_rates)
 RATES = "run_rates.json"  # in $SWIFTWRITE_HOME, beside the cost curves
 
 
@@ -286,17 +287,19 @@ def rate_key(fingerprint: str, backend: str, weights: str, dtype: str, threads: 
 def keep_rates(key: str, seconds: dict[int, float], tokens: dict[int, int], prefill: tuple[float, int]) -> None:
     """Keep a run's cost per token in each context bucket (seconds, tokens) and its prefill's, merged with what earlier
     runs kept. A machine's speed changes (a busy day is 3-7x slower than a quiet one on 2 cores), so the earlier
-    costs are first scaled by how this run's costs compare with theirs in the buckets both measured: one run on a
-    quiet machine corrects the estimate of every context, the contexts it did not reach included."""
+    costs are first scaled by how this run's costs compare with theirs in the buckets both measured, and a bucket this
+    run wrote OWN_BUCKET tokens in takes this run's cost alone: one run on a quiet machine corrects the estimate of
+    every context, the contexts it did not reach included (one factor for all is not enough: a busy machine's
+    slowdown differs from one context to another, 1.2-2.8x here)."""
     old = measurements.kept(measurements.file(RATES), key, _rates) or {"buckets": {}, "prefill": [0.0, 0]}
     buckets = {int(b): list(v) for b, v in old["buckets"].items()}
     new = {b: (s, tokens[b]) for b, s in seconds.items() if tokens.get(b)}
     shared = [b for b in new if buckets.get(b, [0.0, 0])[1]]
     then = sum(buckets[b][0] / buckets[b][1] * new[b][1] for b in shared)
     scale = sum(new[b][0] for b in shared) / then if shared and then > 0 else 1.0
-    for b, (s, n) in new.items():
+    for b, (s, n) in new.items():  # in the earlier runs' terms, all scaled together below
         t0, n0 = buckets.get(b, [0.0, 0])
-        buckets[b] = [t0 + s / scale, n0 + n]  # in the earlier runs' terms, all scaled together below
+        buckets[b] = [s / scale, n] if n >= OWN_BUCKET else [t0 + s / scale, n0 + n]
     pre = old["prefill"]
     if prefill[1]:
         pre = [pre[0] + prefill[0] / scale, pre[1] + prefill[1]]
