@@ -296,7 +296,8 @@ def keep_rates(key: str, seconds: dict[int, float], tokens: dict[int, int], pref
     new = {b: (s, tokens[b]) for b, s in seconds.items() if tokens.get(b)}
     shared = [b for b in new if buckets.get(b, [0.0, 0])[1]]
     then = sum(buckets[b][0] / buckets[b][1] * new[b][1] for b in shared)
-    scale = sum(new[b][0] for b in shared) / then if shared and then > 0 else 1.0
+    now = sum(new[b][0] for b in shared)
+    scale = now / then if then > 0 and now > 0 else 1.0  # (a clock that did not move: no factor to learn)
     for b, (s, n) in new.items():  # in the earlier runs' terms, all scaled together below
         t0, n0 = buckets.get(b, [0.0, 0])
         buckets[b] = [s / scale, n] if n >= OWN_BUCKET else [t0 + s / scale, n0 + n]
