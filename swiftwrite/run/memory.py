@@ -54,18 +54,18 @@ END = "[End of notes]\n\n"
 ELLIPSIS = "[…]\n\n"  # the text that no longer fits, as an outline's pin says it
 MEMORY_LABEL, NAMES_LABEL, LORE_LABEL = "Memory:\n", "Named so far:\n", "Lore:\n"
 
-MEMORY_FILE = Kind("--memory", "give a Markdown file of notes (the cast, the setting, the rules of the world)",
-                   binary="{name} {path} looks binary (it contains NUL bytes); {give}.",
-                   empty="{name} {path} is empty; {give}.", limit=MAX_FILE_BYTES,
-                   too_large="{name} {path} is over 1 MB; a memory must fit the context, shorten it.",
-                   not_utf8="{name} {path} is not valid UTF-8 (byte {byte}); convert it to UTF-8.",
-                   encoding="utf-8-sig")
-LORE_FILE = Kind("--lore", "give a Markdown file of entries, each a '## Name {keys: a, b}' heading and its text",
-                 binary="{name} {path} looks binary (it contains NUL bytes); {give}.",
-                 empty="{name} {path} is empty; {give}.", limit=MAX_FILE_BYTES,
-                 too_large="{name} {path} is over 1 MB; split it or shorten it.",
-                 not_utf8="{name} {path} is not valid UTF-8 (byte {byte}); convert it to UTF-8.",
-                 encoding="utf-8-sig")
+def _notes_file(name: str, give: str, too_large: str) -> Kind:
+    """A Markdown file of notes (--memory, --lore): the same refusals but what to give and what to do when too large."""
+    return Kind(name, give, binary="{name} {path} looks binary (it contains NUL bytes); {give}.",
+                empty="{name} {path} is empty; {give}.", limit=MAX_FILE_BYTES,
+                too_large="{name} {path} is over 1 MB; " + too_large,
+                not_utf8="{name} {path} is not valid UTF-8 (byte {byte}); convert it to UTF-8.", encoding="utf-8-sig")
+
+
+MEMORY_FILE = _notes_file("--memory", "give a Markdown file of notes (the cast, the setting, the rules of the world)",
+                          "a memory must fit the context, shorten it.")
+LORE_FILE = _notes_file("--lore", "give a Markdown file of entries, each a '## Name {keys: a, b}' heading and its text",
+                        "split it or shorten it.")
 
 _ENTRY = re.compile(r"^##\s+(?P<name>.*?)\s*(?:\{\s*keys\s*:(?P<keys>[^}]*)\})?\s*$", re.I)
 _WORD = re.compile(r"[^\W\d_]+(?:['’][^\W\d_]+)?")
