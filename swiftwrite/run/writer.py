@@ -33,8 +33,7 @@ from ..models.store import resolve
 from . import memory as memories
 from . import outline as outlines
 from . import ranks, runplan, schedule
-from .assembly import (Loaded, check_device, load_weights, make_window, open_model, open_session, plan_with_notes,
-                       planning_engine)
+from .assembly import Loaded, check_device, open_model, open_session, outline_engine, plan_with_notes
 from .inputs import Inputs, check_writable
 from .records import MODEL_OPTIONS
 from .edits import (check_continues, check_not_edited, continued_plan, plan_of, read_edited, rebuilt_text, token_finder,
@@ -153,11 +152,6 @@ def write_new(inputs: Inputs, lm: Loaded, display: Display) -> int:
 
 def _plan(cfg: Config, lm: Loaded, brief: str, out_path: Path | None, display: Display) -> list[outlines.Section]:
     """--plan / --plan-only: the model's outline (--plan-only writes it as the output)."""
-    # the prompt is not known before the plan: check the weights and the document's KV cache against free
-    # memory now, before any weight is read, as make_window does for runs without planning
-    make_window(cfg, lm, 0, Display("quiet"))  # its notices come once, in open_session
-    if lm.model is None:  # a batch's later documents run on the weights its first loaded
-        load_weights(lm, display.info)
     sections = plan_outline(cfg, lm, brief, display)
     if cfg.plan_only:
         fh = open_out(out_path)
@@ -388,7 +382,7 @@ def plan_outline(cfg: Config, lm: Loaded, brief: str, display: Display) -> list[
     if context - len(ids) < MIN_FREE:
         raise UserError(f"the brief is too long to plan an outline within the model's {lm.mcfg.max_positions} "
                         "positions; shorten it or give --outline FILE.")
-    engine = planning_engine(cfg, lm, len(ids), context, capacity=len(ids) + most + 1)
+    engine = outline_engine(cfg, lm, len(ids), context, len(ids) + most + 1, display)
     display.info(f"planning {n} sections from the brief…")
     got: list[int] = []
     with torch.inference_mode():
