@@ -1,10 +1,13 @@
 """The writer: prompt in, document out, through a crash-safe run directory.
 
-It takes the user's input as inputs.read checked it (prompt, options, paths), loads the model once, turns
-the prompt into token ids, drives the engine, streams text to stdout (or --out) as it comes, and checkpoints
-every `chunk` tokens. The token ids are the source of truth; text is derived from them, so a resumed run
-re-decodes instead of trusting a half-written file. The parts it drives live in prompt.py (brief to ids, ids
-to text), devices.py (device, dtype, memory) and assembly.py (what runs, put together); this module is the run.
+It takes the user's input as inputs.read checked it, and only sequences. A new run (write_new): the outline where
+--plan asks for one (plan_outline, on assembly.outline_engine), the prompt as token ids (prompt.py), the session
+opened (assembly.open_session), the run directory created and the session's text streamed to stdout (or --out) as it
+comes, checkpointed every `chunk` tokens. An existing run directory takes one path (_carry_on) for resume, resume
+--edited and a batch's document that started before: its checks and settings, its model from the caller checked
+against the one that wrote it, a damaged output.txt rebuilt, then a finished run's text copied, a new round from an
+edited text (edits.py), or the rest written. The token ids are the source of truth; text is derived from them, so a
+resumed run re-decodes instead of trusting a half-written file.
 
 The checks of the user's input come before torch is imported (inputs.py); transformers is imported on first use
 (hf.py), and cli.py imports this module only when a command runs, so `--help` stays instant.
