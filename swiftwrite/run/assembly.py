@@ -7,7 +7,9 @@ the context window checked against free memory (`make_window`), only then the we
 sampler, draft sources and cost curves (`assemble_engine`, `curves_for`; the session fits them as it starts).
 `open_session` does it for a document and returns the Session with a frozen record of what it resolved
 (`Resolved`: the stats and the panel show it) and the settings a resume must run again (`Session.settings`, built
-once here; the configuration a caller passes in is never changed).
+once here; the configuration a caller passes in is never changed). `outline_engine` is the same order for --plan's
+outline, which is written before the document's prompt is known: the document's window checked against free memory,
+the weights, then the planning engine, in one call.
 """
 
 from __future__ import annotations
@@ -345,7 +347,7 @@ def fit_budget(engine: "Engine", lm: Loaded, upto: int | None = None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# A document's session, and the planning engine
+# A document's session, and the outline's engine
 
 
 def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan | None, display: Display,
@@ -404,9 +406,15 @@ def plan_with_notes(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Pla
     return dataclasses.replace(made, prompt=base + notes.reserve, notes=(*made.notes, ("notes", why))), notes
 
 
-def planning_engine(cfg: Config, lm: Loaded, prompt_len: int, context: int, capacity: int) -> Engine:
+def outline_engine(cfg: Config, lm: Loaded, prompt_len: int, context: int, capacity: int, display: Display) -> Engine:
     """--plan's engine: greedy, without the contextual penalty (a list repeats its numbers and newlines on purpose);
-    DRY as set; stops at an end token; no drafts."""
+    DRY as set; stops at an end token; no drafts. Before it, what a run pays first: the document's window checked
+    against free memory (make_window; the document's prompt is not known before the plan, and the notices come once,
+    in open_session), then the weights where they are not loaded yet (a batch's later documents run on the
+    weights its first loaded)."""
+    make_window(cfg, lm, 0, Display("quiet"))
+    if lm.model is None:
+        load_weights(lm, display.info)
     stops = suppressed_ids(lm.tok, lm.model.cfg)
     settings = SamplerSettings(temperature=0.0, penalty=1.0, suppress=(), seed=cfg.seed,
                                dry=dry_settings(cfg, lm.tok, lm.model.cfg.vocab_size))

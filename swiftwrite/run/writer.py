@@ -1,10 +1,13 @@
 """The writer: prompt in, document out, through a crash-safe run directory.
 
-It takes the user's input as inputs.read checked it (prompt, options, paths), loads the model once, turns
-the prompt into token ids, drives the engine, streams text to stdout (or --out) as it comes, and checkpoints
-every `chunk` tokens. The token ids are the source of truth; text is derived from them, so a resumed run
-re-decodes instead of trusting a half-written file. The parts it drives live in prompt.py (brief to ids, ids
-to text), devices.py (device, dtype, memory) and assembly.py (what runs, put together); this module is the run.
+It takes the user's input as inputs.read checked it, and only sequences. A new run (write_new): the outline where
+--plan asks for one (plan_outline, on assembly.outline_engine), the prompt as token ids (prompt.py), the session
+opened (assembly.open_session), the run directory created and the session's text streamed to stdout (or --out) as it
+comes, checkpointed every `chunk` tokens. An existing run directory takes one path (_carry_on) for resume, resume
+--edited and a batch's document that started before: its checks and settings, its model from the caller checked
+against the one that wrote it, a damaged output.txt rebuilt, then a finished run's text copied, a new round from an
+edited text (edits.py), or the rest written. The token ids are the source of truth; text is derived from them, so a
+resumed run re-decodes instead of trusting a half-written file.
 
 The checks of the user's input come before torch is imported (inputs.py); transformers is imported on first use
 (hf.py), and cli.py imports this module only when a command runs, so `--help` stays instant.
@@ -33,8 +36,7 @@ from ..models.store import resolve
 from . import memory as memories
 from . import outline as outlines
 from . import ranks, runplan, schedule
-from .assembly import (Loaded, check_device, load_weights, make_window, open_model, open_session, plan_with_notes,
-                       planning_engine)
+from .assembly import Loaded, check_device, open_model, open_session, outline_engine, plan_with_notes
 from .inputs import Inputs, check_writable
 from .records import MODEL_OPTIONS
 from .edits import (check_continues, check_not_edited, continued_plan, plan_of, read_edited, rebuilt_text, token_finder,
@@ -153,11 +155,6 @@ def write_new(inputs: Inputs, lm: Loaded, display: Display) -> int:
 
 def _plan(cfg: Config, lm: Loaded, brief: str, out_path: Path | None, display: Display) -> list[outlines.Section]:
     """--plan / --plan-only: the model's outline (--plan-only writes it as the output)."""
-    # the prompt is not known before the plan: check the weights and the document's KV cache against free
-    # memory now, before any weight is read, as make_window does for runs without planning
-    make_window(cfg, lm, 0, Display("quiet"))  # its notices come once, in open_session
-    if lm.model is None:  # a batch's later documents run on the weights its first loaded
-        load_weights(lm, display.info)
     sections = plan_outline(cfg, lm, brief, display)
     if cfg.plan_only:
         fh = open_out(out_path)
@@ -181,6 +178,102 @@ def _close(fh) -> None:
         fh.close()
 
 
+# ---------------------------------------------------------------------------------------------------------
+# An existing run directory: resume, resume --edited and a batch's document that started before, one path
+
+
+@dataclasses.dataclass(frozen=True)
+class Asked:
+    """What a caller asks of an existing run directory (resume's options; a batch asks for its target), with the
+    caller's rule for a model other than the one that wrote the run."""
+    out: Path | None  # --out: the whole text is (re)written there
+    stats_json: Path | None
+    hint: str  # what the refusal of another model tells the user to do
+    tokens: int | None = None  # --tokens: the target; with `edited`, the tokens to add
+    tp: int = 1  # the tensor-parallel ranks it runs on (cli.resume checked it against the run's, or was --force)
+    threads: int | None = None  # None: the run's own
+    edited: Path | None = None  # resume --edited: the edited file, and its `text`
+    text: str | None = None
+    memory: str | None = None  # resume --memory: the edited memory's text
+    force: bool = False  # resume --force: another model goes on, with a notice
+    says_complete: bool = False  # resume says a finished run is complete; a batch only copies its text
+
+
+def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool, quiet: bool, no_live: bool,
+           stats_json: Path | None, tp: int = 1, edited: Path | None = None, threads: int | None = None,
+           memory: Path | None = None) -> int:
+    """`tp`: the tensor-parallel ranks it runs on (cli.resume checked it against the run's, or was --force).
+    `edited`: continue from this file's text in a new round (rounds.py); --tokens then counts the tokens added.
+    `threads`: --threads for this resume (None: the run's own). `memory`: an edited memory, in effect from the next
+    rebuild on. The files named are read and checked before the run directory is opened."""
+    display = Display(Display.choose(quiet, no_live))
+    new_memory = memories.read_memory(str(memory)) if memory is not None else None
+    check_writable(out_path, "--out")
+    check_writable(stats_json, "--stats-json")
+    new_text = read_edited(edited) if edited is not None else None
+    if edited is not None:
+        check_writable(edited, "--edited")
+    asked = Asked(out_path, stats_json, "Use --force to do it anyway.", tokens, tp, threads, edited, new_text,
+                  new_memory, force, says_complete=True)
+    return _carry_on(run_dir, asked, lambda cfg: _stored_model(cfg, display), display)
+
+
+def continue_document(run_dir: Path, out_path: Path, stats_json: Path | None, display: Display,
+                      model_for: Callable[[Config], Loaded], threads: int | None = None) -> int:
+    """A batch's document whose run directory exists: continued to its target on the batch's model (`model_for(cfg)`:
+    loaded once for the documents that share its settings), its text rewritten to `out_path`; a finished one only
+    writes its text there. `threads`: as resume's --threads (None: the run's own)."""
+    hint = f"Continue it alone with `swiftwrite resume {run_dir} --force` if another text is what you want."
+    return _carry_on(run_dir, Asked(out_path, stats_json, hint, threads=threads), model_for, display)
+
+
+def _carry_on(run_dir: Path, asked: Asked, model_for: Callable[[Config], Loaded], display: Display) -> int:
+    """An existing run directory carried to its end, the one path of resume, resume --edited and a batch's
+    continuation: its checks and settings (_opened_run), its model (`model_for(cfg)`: resume reopens it from the
+    store, a batch passes the model it keeps, workers.Models) checked against the one that wrote it, a damaged
+    output.txt rebuilt; then a new round from an edited text, a finished run's text copied, or the rest written."""
+    rd = RunDir.open(run_dir)
+    try:
+        cfg = _opened_run(rd, asked, display)
+        if asked.text is not None:
+            return _continue_edited(cfg, rd, asked, model_for, display)
+        if asked.tokens is not None and asked.tokens < len(rd.tokens):
+            raise UsageError(f"--tokens {asked.tokens} is less than the {len(rd.tokens)} tokens already written; "
+                             "give a larger target.")
+        complete = len(rd.tokens) >= cfg.tokens
+        # a finished run needs its model only to rebuild a damaged output.txt from the ids
+        lm = _run_model(cfg, rd, asked, model_for, complete, display) if not complete or rd.text_damaged else None
+        if complete:
+            if asked.says_complete:
+                display.info(f"{rd.path} is already complete ({len(rd.tokens)} tokens); pass --tokens N to write more.")
+            return _copy_finished(rd, asked.out)
+        return _continue(cfg, lm, rd, asked.out, asked.stats_json, display, asked.memory)
+    finally:
+        rd.close()
+
+
+def _opened_run(rd: RunDir, asked: Asked, display: Display) -> Config:
+    """The checks of an opened run directory against what was asked, and its settings for this resume."""
+    ranks.report_run_dir(rd.path)
+    if asked.text is not None:
+        check_continues(rd, asked.edited, asked.text)
+    elif asked.out is not None:
+        check_not_edited(rd, asked.out)
+    cfg = _resume_config(rd, asked.tokens if asked.text is None else None, asked.tp, asked.threads)
+    written_by = ranks.recorded(rd.path)[0]
+    if asked.tp != written_by:
+        display.info(f"resuming on {asked.tp} tensor-parallel rank{'s' if asked.tp > 1 else ''}, not the run's "
+                     f"{written_by} (--force): the continuation will differ from the original run.")
+    if rd.recovered:
+        display.info(rd.recovered)
+    for w in rd.warnings:
+        display.info(w)
+    if asked.memory is not None and not (rd.memory or {}).get("versions"):
+        raise UserError(f"{rd.path} was started without --memory, so its window keeps no room for one; start a "
+                        "new run with --memory FILE.")
+    return cfg
+
+
 def _resume_config(rd: RunDir, tokens: int | None, tp: int, threads: int | None = None) -> Config:
     try:
         cfg = resolve_cfg(None, {}, environ={}, base=rd.config)
@@ -196,104 +289,27 @@ def _resume_config(rd: RunDir, tokens: int | None, tp: int, threads: int | None 
                                ).validate(where)
 
 
-def resume(run_dir: Path, tokens: int | None, out_path: Path | None, force: bool, quiet: bool, no_live: bool,
-           stats_json: Path | None, tp: int = 1, edited: Path | None = None, threads: int | None = None,
-           memory: Path | None = None) -> int:
-    """`tp`: the tensor-parallel ranks it runs on (cli.resume checked it against the run's, or was --force).
-    `edited`: continue from this file's text in a new round (rounds.py); --tokens then counts the tokens added.
-    `threads`: --threads for this resume (None: the run's own). `memory`: an edited memory, in effect from the next
-    rebuild on."""
-    display = Display(Display.choose(quiet, no_live))
-    new_memory = memories.read_memory(str(memory)) if memory is not None else None
-    check_writable(out_path, "--out")
-    check_writable(stats_json, "--stats-json")
-    new_text = read_edited(edited) if edited is not None else None
-    if edited is not None:
-        check_writable(edited, "--edited")
-    rd = RunDir.open(run_dir)
-    try:
-        cfg = _opened_run(rd, tokens, out_path, tp, edited, new_text, display, threads)
-        if new_memory is not None and not (rd.memory or {}).get("versions"):
-            raise UserError(f"{rd.path} was started without --memory, so its window keeps no room for one; start a "
-                            "new run with --memory FILE.")
-        if new_text is not None:
-            return _continue_edited(cfg, rd, edited, new_text, tokens, out_path, force, display, stats_json,
-                                    new_memory)
-        if tokens is not None and tokens < len(rd.tokens):
-            raise UsageError(f"--tokens {tokens} is less than the {len(rd.tokens)} tokens already written; give a larger target.")
-        complete = len(rd.tokens) >= cfg.tokens
-        lm = _reopen_model(cfg, rd, force, complete, display) if not complete or rd.text_damaged else None
-        if complete:
-            display.info(f"{run_dir} is already complete ({len(rd.tokens)} tokens); pass --tokens N to write more.")
-            return _copy_finished(rd, out_path)
-        return _continue(cfg, lm, rd, out_path, stats_json, display, new_memory)
-    finally:
-        rd.close()
-
-
-def _opened_run(rd: RunDir, tokens: int | None, out_path: Path | None, tp: int, edited: Path | None,
-                new_text: str | None, display: Display, threads: int | None = None) -> Config:
-    """The checks of an opened run directory against what was asked, and its settings for this resume."""
-    ranks.report_run_dir(rd.path)
-    if new_text is not None:
-        check_continues(rd, edited, new_text)
-    elif out_path is not None:
-        check_not_edited(rd, out_path)
-    cfg = _resume_config(rd, tokens if new_text is None else None, tp, threads)
-    written_by = ranks.recorded(rd.path)[0]
-    if tp != written_by:
-        display.info(f"resuming on {tp} tensor-parallel rank{'s' if tp > 1 else ''}, not the run's {written_by} "
-                     "(--force): the continuation will differ from the original run.")
-    if rd.recovered:
-        display.info(rd.recovered)
-    for w in rd.warnings:
-        display.info(w)
-    return cfg
-
-
-def _reopen_model(cfg: Config, rd: RunDir, force: bool, complete: bool, display: Display) -> Loaded:
-    """The run's model, checked against the one that wrote it; a damaged output.txt rebuilt from the ids."""
+def _stored_model(cfg: Config, display: Display) -> Loaded:
+    """resume's model: the one the run's settings name, from the store."""
     check_device(cfg)  # a missing GPU is reported before any model file is read
-    ref = resolve(cfg.model, log=display.info, device=cfg.device)
-    if ref.fingerprint != rd.fingerprint:
-        if not force:
-            raise UserError(rules.another_model(rd.path, rd.fingerprint, ref.fingerprint, "Use --force to do it anyway."))
+    return open_model(cfg, display, resolve(cfg.model, log=display.info, device=cfg.device))
+
+
+def _run_model(cfg: Config, rd: RunDir, asked: Asked, model_for: Callable[[Config], Loaded], complete: bool,
+               display: Display) -> Loaded:
+    """The run's model, checked against the one that wrote it (another goes on only with --force, and says so); a
+    damaged output.txt rebuilt from the ids (`complete`: the run is finished, so the rebuilt text is checkpointed)."""
+    lm = model_for(cfg)
+    if lm.ref.fingerprint != rd.fingerprint:
+        if not asked.force:
+            raise UserError(rules.another_model(rd.path, rd.fingerprint, lm.ref.fingerprint, asked.hint))
         display.info("resuming with a different model (--force): the continuation will differ from the original run.")
-    lm = open_model(cfg, display, ref)
-    _repair_text(rd, lm, complete, display)
-    return lm
-
-
-def _repair_text(rd: RunDir, lm: Loaded, complete: bool, display: Display) -> None:
     if rd.text_damaged:
         rd.replace_text(rebuilt_text(rd, lm.tok))
         if complete:
             rd.checkpoint(rd.stats, rd.drafter_state(), finished=rd.finished)
         display.info("output.txt was damaged and has been rebuilt from the token ids.")
-
-
-def continue_document(run_dir: Path, out_path: Path, stats_json: Path | None, display: Display,
-                      model_for: Callable[[Config], Loaded], threads: int | None = None) -> int:
-    """A batch's document whose run directory exists: continued to its target on the batch's model (`model_for(cfg)`:
-    loaded once for the documents that share its settings), its text rewritten to `out_path`; a finished one only
-    writes its text there. `threads`: as resume's --threads (None: the run's own)."""
-    rd = RunDir.open(run_dir)
-    try:
-        cfg = _opened_run(rd, None, out_path, 1, None, None, display, threads)
-        complete = len(rd.tokens) >= cfg.tokens
-        lm = None
-        if not complete or rd.text_damaged:
-            lm = model_for(cfg)
-            if lm.ref.fingerprint != rd.fingerprint:
-                raise UserError(rules.another_model(rd.path, rd.fingerprint, lm.ref.fingerprint,
-                                                    f"Continue it alone with `swiftwrite resume {rd.path} --force` if "
-                                                    "another text is what you want."))
-            _repair_text(rd, lm, complete, display)
-        if complete:
-            return _copy_finished(rd, out_path)
-        return _continue(cfg, lm, rd, out_path, stats_json, display)
-    finally:
-        rd.close()
+    return lm
 
 
 def _copy_finished(rd: RunDir, out_path: Path | None) -> int:
@@ -355,23 +371,25 @@ def _memory_version(rd: RunDir, lm: Loaded, text: str | None, at: int) -> dict |
     return {"from": at, "text": text, "ids": ids}
 
 
-def _continue_edited(cfg: Config, rd: RunDir, edited: Path, text: str, more: int | None, out_path: Path | None,
-                     force: bool, display: Display, stats_json: Path | None, new_memory: str | None = None) -> int:
-    """resume --edited: a new round from the edited document's `text` (edits.py has its rules); `more`: --tokens."""
-    more = tokens_to_add(rd, cfg.tokens, more, edited)
+def _continue_edited(cfg: Config, rd: RunDir, asked: Asked, model_for: Callable[[Config], Loaded],
+                     display: Display) -> int:
+    """resume --edited: a new round from the edited document's text (edits.py has its rules); --tokens: the tokens
+    to add."""
+    more = tokens_to_add(rd, cfg.tokens, asked.tokens, asked.edited)
     plan = plan_of(rd)
-    lm = _reopen_model(cfg, rd, force, False, display)
+    lm = _run_model(cfg, rd, asked, model_for, False, display)
+    text = asked.text
     ids = [int(i) for i in lm.tok(text, add_special_tokens=False)["input_ids"]]
     _check_ids(lm, ids)
     if plan is not None:
         plan = continued_plan(plan, text, ids, token_finder(lm.tok, ids), more, f"{rd.path / 'outline.md'}")
-    version = _memory_version(rd, lm, new_memory, len(ids))
+    version = _memory_version(rd, lm, asked.memory, len(ids))
     kept = {**rd.memory, "versions": [*rd.memory["versions"], version]} if version else rd.memory
     session = open_session(dataclasses.replace(cfg, tokens=len(ids) + more).validate(), lm, len(rd.prompt_ids), plan,
                            display, kept, rd.prompt_text)
     if version:
         rd.add_memory(version)
-    return write_round(session, rd, edited, text, ids, plan, out_path, display, stats_json)
+    return write_round(session, rd, asked.edited, text, ids, plan, asked.out, display, asked.stats_json)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -388,7 +406,7 @@ def plan_outline(cfg: Config, lm: Loaded, brief: str, display: Display) -> list[
     if context - len(ids) < MIN_FREE:
         raise UserError(f"the brief is too long to plan an outline within the model's {lm.mcfg.max_positions} "
                         "positions; shorten it or give --outline FILE.")
-    engine = planning_engine(cfg, lm, len(ids), context, capacity=len(ids) + most + 1)
+    engine = outline_engine(cfg, lm, len(ids), context, len(ids) + most + 1, display)
     display.info(f"planning {n} sections from the brief…")
     got: list[int] = []
     with torch.inference_mode():
