@@ -367,3 +367,33 @@ def test_a_padded_cost_curve_prices_n_tokens_at_the_rows_they_run():
     for n in range(1, 65):
         assert float(c(n)) == float(np.interp(plan[n], SIZES, c.seconds))
     assert len({float(c(n)) for n in range(9, 17)}) == 1  # 9..16 tokens all run as 16 rows
+
+
+def test_the_tokenizer_loads_as_autotokenizer_loads_it(default_model_dir, tmp_path):
+    """load_tokenizer loads a generic tokenizer class by name, skipping AutoTokenizer's look at the model's
+    configuration (2.2 s a run): the same class, ids, special ids and chat template; a tokenizer_config.json that
+    names no class still goes through AutoTokenizer, with the same result."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from swiftwrite.models.modelfiles import load_tokenizer
+
+    text = "A keeper's café <|im_start|> at 3:05, naïve\n\n  spaces"
+    chat = [{"role": "user", "content": "Write a poem."}]
+    want = AutoTokenizer.from_pretrained(str(default_model_dir))
+    unnamed = tmp_path / "unnamed"
+    unnamed.mkdir()
+    for f in default_model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens", "config")):
+            shutil.copy(f, unnamed / f.name)
+    settings = json.loads((unnamed / "tokenizer_config.json").read_text())
+    assert settings.pop("tokenizer_class") == "TokenizersBackend"  # the store's own conversion names it
+    (unnamed / "tokenizer_config.json").write_text(json.dumps(settings))
+    for got in (load_tokenizer(default_model_dir), load_tokenizer(unnamed)):
+        assert type(got) is type(want)
+        assert got(text)["input_ids"] == want(text)["input_ids"]
+        assert got.all_special_ids == want.all_special_ids and got.eos_token_id == want.eos_token_id
+        assert got.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+            want.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
