@@ -182,6 +182,18 @@ def run_long(model, n, history=None, names=(), setting="sample", switch_every=0)
     return [t for s in steps for t in s.tokens], steps
 
 
+_uninterrupted: dict = {}
+
+
+def uninterrupted(model, n, setting="sample"):
+    """run_long's plain run of `n` tokens, made once per model, length and setting: the restart tests of one model all
+    compare against it (made by each test, it was eight more runs of 1,000-1,500 tokens in CI's fast tier)."""
+    key = (model, n, setting)
+    if key not in _uninterrupted:
+        _uninterrupted[key] = run_long(model, n, setting=setting)
+    return _uninterrupted[key]
+
+
 def test_with_two_threads_single_steps_part_from_batches_at_long_contexts_and_drafting_goes_off(two_threads):
     """What the probe finds in llama.cpp 0.3.36's CPU backend (a single query's attention over 512 cells or more is
     split across threads, a batch's is not): batches keep the bits at short contexts, so prefill stays batched,
@@ -196,7 +208,7 @@ def test_where_steps_part_from_batches_a_restart_anywhere_continues_exactly(two_
     """Resume rebuilds the context with each position computed as the running engine computed it: batched up to
     the window's rebuild, then a step at a time; a restart in any window then continues to the same tokens. (A
     restart that batched the whole context left these tokens at 79 tokens after the cut at 1000, 2026-12-04.)"""
-    whole, steps = run_long(two_threads, 1500)
+    whole, steps = uninterrupted(two_threads, 1500)
     assert sum(s.rebuilt for s in steps) == 2
     first = whole[:cut]
     rest, _ = run_long(two_threads, 1500 - cut, history=prompt() + first)
@@ -245,7 +257,7 @@ def test_the_governor_runs_llama_cpp_where_one_thread_gives_two_threads_bits_and
 def test_invariantly_trees_past_512_cells_and_changing_threads_write_plain_decodings_tokens(invariant, setting):
     """Plain decoding on two threads against drafts (budget 8) whose thread count flips between one and two every
     10 steps, over three windows of LONG tokens: the same tokens."""
-    plain, steps = run_long(invariant, 1500, setting=setting)
+    plain, steps = uninterrupted(invariant, 1500, setting)
     assert sum(s.rebuilt for s in steps) == 2
     drafted, dsteps = run_long(invariant, 1500, names=("recycling", "ngram"), setting=setting, switch_every=10)
     assert drafted == plain
@@ -257,7 +269,7 @@ def test_invariantly_trees_past_512_cells_and_changing_threads_write_plain_decod
 def test_invariantly_a_restart_on_one_thread_continues_a_two_thread_run_exactly(invariant, cut):
     """Resume prefills the whole context in batches (no step-at-a-time replay) on another thread count, with
     drafts, and continues to the uninterrupted run's tokens."""
-    whole, _ = run_long(invariant, 1500)
+    whole, _ = uninterrupted(invariant, 1500)
     first = whole[:cut]
     invariant.set_threads(1)
     try:
@@ -313,7 +325,7 @@ def test_a_restart_that_puts_back_the_saved_cells_continues_exactly_and_computes
     """Resume loads the cells a checkpoint saved (llama.cpp's serialized sequence state) instead of computing the
     context, even where single steps part from batches (the stock loading): they are the running engine's own bits."""
     model = request.getfixturevalue(which)
-    whole, _ = run_long(model, 1000)
+    whole, _ = uninterrupted(model, 1000)
     first, saved = run_saving(model, 900, every=10)
     assert first == whole[:900] and len(saved) > 2
     p = prompt()
@@ -325,7 +337,7 @@ def test_a_restart_that_puts_back_the_saved_cells_continues_exactly_and_computes
 
 
 def test_saved_cells_of_another_context_or_torn_are_not_put_back_and_the_text_is_the_same(invariant):
-    whole, _ = run_long(invariant, 1000)
+    whole, _ = uninterrupted(invariant, 1000)
     first, saved = run_saving(invariant, 900, every=10)
     p = prompt()
     other = list(first)
@@ -356,7 +368,7 @@ def test_with_repacked_weights_a_restart_anywhere_continues_exactly_with_or_with
     running engine did (a step at a time since the span's rebuild), or puts back the cells it saved."""
     assert repacked.found.steps_apart and repacked.max_rows == 1 and repacked.batch_rows > 1
     assert threads.same_bits(repacked, 1, threads.signature(repacked))  # the governor's check runs (no tree in it)
-    whole, _ = run_long(repacked, 1500)
+    whole, _ = uninterrupted(repacked, 1500)
     first = whole[:cut]
     rest, _ = run_long(repacked, 1500 - cut, history=prompt() + first)
     assert first + rest == whole
