@@ -89,7 +89,17 @@ SLOW_TESTS = {
 }
 
 
+# The files that took longest in CI (tests of 3 s and more, two workers, 2026-12-07, AMD EPYC), handed to the workers
+# first: xdist gives out whole files in collection order, and a two-minute file collected last (test_tp_cli.py, by
+# name) could run alone at the end while the other worker waits. Longest first leaves the short files for the end.
+LONGEST_FIRST = ("test_cli", "test_cli_ggml", "test_exact", "test_tp_cli", "test_gpu_check", "test_batch_cli",
+                 "test_batch_ray", "test_quant", "test_bad_input", "test_outline_cli", "test_engine", "test_rounds_cli",
+                 "test_parallel", "test_graphs", "test_kernels")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))  # stable: a file's order
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
         if (module in SLOW_MODULES or item.originalname in SLOW_TESTS
