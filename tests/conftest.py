@@ -83,6 +83,9 @@ SLOW_TESTS = {
     "test_a_process_killed_inside_the_checkpoint_window_leaves_the_previous_checkpoint",
     "test_a_staging_directory_left_by_a_killed_create_is_swept_and_the_path_stays_free",
     "test_an_open_in_another_process_is_refused_until_the_holder_is_killed",
+    # test_graphs: 80-150 tokens through Triton's interpreter, 22-34 s each; the kernel's own exactness stays fast
+    "test_speculative_through_the_static_forward_equals_plain_decoding",
+    "test_in_bfloat16_speculative_through_the_static_forward_and_the_kernel_equals_plain_decoding",
     "test_speculative_equals_plain_decoding_under_two_ranks",  # test_parallel: gloo ranks as processes
     "test_two_ranks_against_one_process",
     "test_a_rank_that_cannot_load_its_shard_stops_every_rank_with_one_sentence",

@@ -31,8 +31,11 @@ def random_tree(n: int, gen: torch.Generator) -> torch.Tensor:
     return anc
 
 
-@pytest.mark.parametrize("H,KV,D,T,n", [(4, 2, 16, 37, 5), (4, 4, 16, 0, 3), (6, 2, 32, 130, 64), (2, 1, 16, 200, 1)],
-                         ids=["gqa", "no-cache", "64-nodes", "one-node"])
+# 64 nodes: ~12 s a dtype through Triton's interpreter, so CI's slow tier runs it and the edit loop the small trees
+@pytest.mark.parametrize("H,KV,D,T,n", [pytest.param(4, 2, 16, 37, 5, id="gqa"),
+                                        pytest.param(4, 4, 16, 0, 3, id="no-cache"),
+                                        pytest.param(6, 2, 32, 130, 64, id="64-nodes", marks=pytest.mark.slow),
+                                        pytest.param(2, 1, 16, 200, 1, id="one-node")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_kernel_matches_the_reference(H, KV, D, T, n, dtype):
     g = torch.Generator().manual_seed(H * 100 + T + n)
