@@ -93,11 +93,11 @@ SLOW_TESTS = {
 
 
 # The files that took longest in CI (tests of 3 s and more, two workers, 2026-12-07, AMD EPYC), handed to the workers
-# first: xdist gives out whole files in collection order, and a two-minute file collected last (test_tp_cli.py, by
-# name) could run alone at the end while the other worker waits. Longest first leaves the short files for the end.
-LONGEST_FIRST = ("test_cli", "test_cli_ggml", "test_exact", "test_tp_cli", "test_gpu_check", "test_batch_cli",
+# first (pyproject's --no-loadscope-reorder keeps this order): a two-minute file given out last runs alone at the end
+# while the other worker waits (the GPU check on a CPU did, 127 s). Longest first leaves the short files for the end.
+LONGEST_FIRST = ("test_cli", "test_gpu_check", "test_cli_ggml", "test_exact", "test_tp_cli", "test_batch_cli",
                  "test_batch_ray", "test_quant", "test_bad_input", "test_outline_cli", "test_engine", "test_rounds_cli",
-                 "test_parallel", "test_graphs", "test_kernels")
+                 "test_parallel", "test_kill_sweep", "test_bans", "test_heads", "test_graphs", "test_kernels")
 
 
 def pytest_collection_modifyitems(config, items):
