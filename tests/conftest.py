@@ -100,11 +100,15 @@ LONGEST_FIRST = ("test_cli", "test_gpu_check", "test_cli_ggml", "test_exact", "t
                  "test_parallel", "test_kill_sweep", "test_bans", "test_heads", "test_graphs", "test_kernels")
 
 
+def _module(item) -> str:
+    return item.module.__name__.rsplit(".", 1)[-1]
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))  # stable: a file's order
+    items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: each file keeps its own order
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
+        module = _module(item)
         if (module in SLOW_MODULES or item.originalname in SLOW_TESTS
                 or "default_model_dir" in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
