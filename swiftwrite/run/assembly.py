@@ -64,7 +64,9 @@ def check_device(cfg: Config) -> None:
 
 
 def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Loaded:
-    """Everything about the model short of its weights: files, configuration, device, dtype, tokenizer."""
+    """Everything about the model short of its weights: files, configuration, tokenizer, and every choice of how it
+    runs (device, dtype, weights, backend, threads, attention, graphs, ranks), made before the record is
+    (load_weights fills in what loading makes: the model, and the backend where `auto` is timed)."""
     if ref is None:
         check_gguf_header(Path(cfg.model).expanduser())
         ref = resolve(cfg.model, log=display.info, device=cfg.device)
@@ -88,12 +90,11 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
         display.info("--cuda-graphs: not captured under tensor parallelism (the collectives are outside the graphs); "
                      "running without graphs.")
         graphs = False
-    lm = _loaded(ref, mcfg, device, dtype, cfg.attention, graphs and lean)
-    lm.weights, lm.weights_note, lm.tp, lm.threads = weights, weights_note, cfg.tp, threads
-    lm.backend = backends.choose(cfg, ref.path, device, display.info)
-    if not backends.runs_torch_weights(lm.backend):
-        lm.weights_note = None  # torch's weights do not apply: llama.cpp runs the GGUF's own bits
-    return lm
+    backend = backends.choose(cfg, ref.path, device, display.info)
+    if not backends.runs_torch_weights(backend):
+        weights_note = None  # torch's weights do not apply: llama.cpp runs the GGUF's own bits
+    return _loaded(ref, mcfg, device, dtype, cfg.attention, graphs and lean, weights=weights, weights_note=weights_note,
+                   backend=backend, threads=threads, tp=cfg.tp)
 
 
 def _weights(cfg: Config, ref: ModelRef, device: str, dtype, mcfg: "ModelConfig", lean: bool) -> tuple[str, str | None]:
@@ -135,8 +136,11 @@ def _check_parallel(cfg: Config, device: str, mcfg: "ModelConfig", lean: bool) -
     check_divides(mcfg, cfg.tp)
 
 
-def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype, attention: str, graphs: bool) -> Loaded:
-    return Loaded(ref, load_tokenizer(ref.path), mcfg, device, dtype, attention=attention, cuda_graphs=graphs)
+def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype, attention: str, graphs: bool, *, weights: str,
+            weights_note: str | None, backend: str, threads: int, tp: int) -> Loaded:
+    """The opened model in one record, with the choices open_model made; its tokenizer is read last."""
+    return Loaded(ref, load_tokenizer(ref.path), mcfg, device, dtype, attention=attention, cuda_graphs=graphs,
+                  weights=weights, tp=tp, weights_note=weights_note, backend=backend, threads=threads)
 
 
 def load_weights(lm: Loaded, display_log=lambda msg: None) -> None:
@@ -148,7 +152,7 @@ def load_weights(lm: Loaded, display_log=lambda msg: None) -> None:
     lm.backend, lm.model = backends.load(lm.backend, lm.ref.path, torch.get_num_threads(), torch_model, ggml_model,
                                          price_torch, display_log)
     if not backends.runs_torch_weights(lm.backend):
-        lm.weights_note = None
+        lm.weights_note = None  # `auto` timed llama.cpp the faster: torch's weights do not apply
 
 
 def _load_torch(lm: Loaded, display_log) -> Forward:

@@ -37,7 +37,8 @@ MODEL_OPTIONS = ("model", *(f.name for f in dataclasses.fields(ModelPart) if f.n
 
 @dataclass
 class Loaded:
-    """The model as it is opened, then loaded: what the later steps of the assembly read."""
+    """The model as it is opened, then loaded: what the later steps of the assembly read. Made once by
+    assembly.open_model with every choice; assembly.load_weights fills in `model` and the `backend` it timed."""
 
     ref: ModelRef
     tok: object
