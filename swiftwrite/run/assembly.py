@@ -5,11 +5,11 @@ budget, the outline's schedule, and the planning engine of --plan.
 In the order a run pays for them: the model's files, configuration, tokenizer and device first (`open_model`),
 the context window checked against free memory (`make_window`), only then the weights (`load_weights`), then the
 sampler, draft sources and cost curves (`assemble_engine`, `curves_for`; the session fits them as it starts).
-`open_session` does it for a document and returns the Session with a frozen record of what it resolved
-(`Resolved`: the stats and the panel show it) and the settings a resume must run again (`Session.settings`, built
-once here; the configuration a caller passes in is never changed). `outline_engine` is the same order for --plan's
-outline, which is written before the document's prompt is known: the document's window checked against free memory,
-the weights, then the planning engine, in one call.
+`open_session` does it for a document and returns the Session with its plan as run (`runplan.RunPlan.as_run`,
+frozen: the stats and the panel show what it resolved to) and the settings a resume must run again
+(`Session.settings`, built once here; the configuration a caller passes in is never changed). `outline_engine` is
+the same order for --plan's outline, which is written before the document's prompt is known: the document's window
+checked against free memory, the weights, then the planning engine, in one call.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from ..models.store import ModelRef, resolve, source_weights
 from ..tensors.exact import check
 from . import memory, ranks, runplan, schedule
 from .devices import attention_notes, fit_dtype, free_memory, pick_device, pick_weights, quantized_option, weight_bytes
-from .records import Loaded, Resolved
+from .records import Loaded
 from .session import Limits, Session
 
 # ---------------------------------------------------------------------------------------------------------
@@ -382,14 +382,15 @@ def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan |
         else cfg.context
     settings = dataclasses.replace(cfg, dtype=dtype_name(lm.dtype), weights=lm.weights, backend=lm.backend,
                                    threads=lm.threads, context=fitted).validate().to_dict()
-    resolved = Resolved(model=lm.ref.name, fingerprint=lm.ref.fingerprint, device=lm.device, dtype=settings["dtype"],
-                        weights=lm.weights, backend=lm.backend, attention=lm.attention, cuda_graphs=lm.cuda_graphs,
-                        threads=lm.threads, tp=lm.tp, context=window.context,
-                        drafting=tuple(src.name for src in engine.sources),
-                        budget=str(engine.budget) if engine.budget is not None else "auto" if engine.sources else "none",
-                        drafting_off=why, bans=len(engine.bans.phrases) + len(engine.bans.patterns) if engine.bans else 0)
+    ran = run_plan.as_run(lm.backend, tuple(src.name for src in engine.sources), _budget_name(engine),
+                          len(engine.bans.phrases) + len(engine.bans.patterns) if engine.bans else 0, why)
     limits = Limits(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Limits)})  # as asked, not resolved
-    return Session(settings, limits, lm, engine, sched, display, resolved, curves_for(lm), plan=run_plan, notes=notes)
+    return Session(settings, limits, lm, engine, sched, display, curves_for(lm), plan=ran, notes=notes)
+
+
+def _budget_name(engine: Engine) -> str:
+    """The engine's draft nodes per step as the plan names them: a number, "auto", or "none" (no source drafts)."""
+    return str(engine.budget) if engine.budget is not None else "auto" if engine.sources else "none"
 
 
 def plan_with_notes(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan | None, kept: dict | None,
