@@ -7,7 +7,7 @@ the context window checked against free memory (`make_window`), only then the we
 sampler, draft sources and cost curves (`assemble_engine`, `curves_for`; the session fits them as it starts).
 `open_session` does it for a document and returns the Session with its plan as run (`runplan.RunPlan.as_run`,
 frozen: the stats and the panel show what it resolved to) and the settings a resume must run again
-(`Session.settings`, built once here; the configuration a caller passes in is never changed). `outline_engine` is
+(`Session.settings`, read from that plan; the configuration a caller passes in is never changed). `outline_engine` is
 the same order for --plan's outline, which is written before the document's prompt is known: the document's window
 checked against free memory, the weights, then the planning engine, in one call.
 """
@@ -374,18 +374,10 @@ def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan |
     if plan or notes is not None:
         engine.pin_context(prompt_len, memory.pinned(notes, sched.pin_at if sched else None,
                                                      lambda: engine.S[prompt_len:].numpy()))
-    # what a resume must run again: `auto` resolved (the dtype memory allowed, the backend timed here, the ranks'
-    # thread share), as the run directory records it
-    # (and the context the free memory allowed where it is less than the model's window: a resume must rebuild
-    # the context at the same tokens)
-    fitted = window.context if window.context < min(cfg.context or lm.mcfg.max_positions, lm.mcfg.max_positions) \
-        else cfg.context
-    settings = dataclasses.replace(cfg, dtype=dtype_name(lm.dtype), weights=lm.weights, backend=lm.backend,
-                                   threads=lm.threads, context=fitted).validate().to_dict()
     ran = run_plan.as_run(lm.backend, tuple(src.name for src in engine.sources), _budget_name(engine),
                           len(engine.bans.phrases) + len(engine.bans.patterns) if engine.bans else 0, why)
     limits = Limits(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Limits)})  # as asked, not resolved
-    return Session(settings, limits, lm, engine, sched, display, curves_for(lm), plan=ran, notes=notes)
+    return Session(ran.settings(cfg), limits, lm, engine, sched, display, curves_for(lm), plan=ran, notes=notes)
 
 
 def _budget_name(engine: Engine) -> str:

@@ -119,6 +119,15 @@ class RunPlan:
                 "drafting": self.drafting, "budget": self.budget, "drafting_off": self.drafting_off,
                 "bans": self.bans}
 
+    def settings(self, cfg: Config) -> dict:
+        """What a resume must run again, as the run directory records it: `cfg` with `auto` resolved as this plan as
+        run has it (the dtype memory allowed, the backend timed here, the ranks' thread share), and the context where
+        the free memory made it less than asked, or than the model's window (a resume must rebuild the context at
+        the same tokens)."""
+        fitted = self.context if self.context < min(cfg.context or self.window, self.window) else cfg.context
+        return dataclasses.replace(cfg, dtype=self.dtype, weights=self.weights, backend=self.backend,
+                                   threads=self.threads, context=fitted).validate().to_dict()
+
     def rate_key(self) -> str:
         """The key of this run's kept costs, of a plan as run (its backend timed)."""
         return rate_key(self.fingerprint, self.backend, self.weights, self.dtype, self.threads_now, self.draft,
