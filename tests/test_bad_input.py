@@ -441,9 +441,9 @@ def test_float32_weights_that_do_not_fit_fall_back_to_bfloat16_and_the_run_recor
     (path / "tokenizer.json").write_text("")  # not read: open_model is stopped before the tokenizer
     mcfg_bytes = {}
 
-    def stop(ref, mcfg, device, dtype, attention, graphs):
+    def stop(ref, mcfg, device, dtype, attention, graphs, **choices):
         mcfg_bytes["f32"] = devices.weight_bytes(mcfg, torch.float32)
-        return assembly.Loaded(ref, None, mcfg, device, dtype, attention=attention, cuda_graphs=graphs)
+        return assembly.Loaded(ref, None, mcfg, device, dtype, attention=attention, cuda_graphs=graphs, **choices)
 
     monkeypatch.setattr(assembly, "_loaded", stop)
     said = Said()
@@ -471,8 +471,9 @@ def test_weights_and_kv_cache_are_checked_against_gpu_memory(monkeypatch, tmp_pa
     from tiny import tiny_hf_model
 
     path, _ = tiny_hf_model("llama", out_dir=tmp_path / "m", max_position_embeddings=4096)
-    monkeypatch.setattr(assembly, "_loaded", lambda ref, mcfg, device, dtype, attention, graphs:
-                        assembly.Loaded(ref, None, mcfg, device, dtype, attention=attention, cuda_graphs=graphs))
+    monkeypatch.setattr(assembly, "_loaded", lambda ref, mcfg, device, dtype, attention, graphs, **choices:
+                        assembly.Loaded(ref, None, mcfg, device, dtype, attention=attention, cuda_graphs=graphs,
+                                        **choices))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (80 << 30, 80 << 30))

@@ -149,3 +149,36 @@ def test_a_resume_says_each_choice_it_makes_otherwise(machine, tmp_path, monkeyp
     assert runplan.differences(written, now) == [
         "resumed with the backend ggml where the run was written with torch.",
         "resumed with the dtype float32 where the run was written with bfloat16."]
+
+
+def test_the_plan_as_run_is_what_the_stats_resolve_and_says_why_drafting_is_off(machine, tmp_path, monkeypatch):
+    """Once the engine is built, the plan takes what it holds (the backend timed, the sources that run), and a probe
+    that turned drafting off leaves its sentence as the drafting note: the stats' "resolved" reads it back."""
+    monkeypatch.setenv("SWIFTWRITE_HOME", str(tmp_path))
+    plan = runplan.make(Config(), opened(llama31_8b(8192), "auto"), prompt=100)
+    assert plan.drafting and plan.drafting_off is None
+    why = "llama.cpp: trees change the last bits, so drafts could change the text; decoding without them ..."
+    ran = plan.as_run("ggml", (), "none", 0, why)
+    assert ran.drafting_off == dict(ran.notes)["drafting"] == why and ran.estimate == plan.estimate
+    assert ran.resolved() == {
+        "model": "llama3-8b", "fingerprint": "fp", "device": "cpu", "dtype": "float32", "weights": "float",
+        "backend": "ggml", "attention": "auto", "cuda_graphs": False, "threads": 0, "tp": 1, "context": 8192,
+        "drafting": (), "budget": "none", "drafting_off": why, "bans": 0}
+    ran = plan.as_run("torch", ("recycling", "ngram"), "auto", 2, None)
+    assert ran.drafting_off is None and dict(ran.notes)["drafting"] == dict(plan.notes)["drafting"]
+    assert runplan.make(Config(draft="none"), opened(llama31_8b(8192), "ggml"), prompt=100).drafting_off is None
+
+
+def test_the_settings_a_resume_runs_again_are_read_from_the_plan_as_run(machine, tmp_path, monkeypatch):
+    """`auto` as it resolved, and the context only where the free memory made it less than asked (a resume
+    rebuilds its context at the same tokens); a context that is the model's window stays as it was asked."""
+    monkeypatch.setenv("SWIFTWRITE_HOME", str(tmp_path))
+    cfg = Config(tokens=100_000)
+    fitted = runplan.make(cfg, opened(llama31_8b(), "auto"), prompt=200).as_run("ggml", (), "none", 0, None)
+    settings = fitted.settings(cfg)
+    assert fitted.context < 131_072 and settings["context"] == fitted.context
+    assert (settings["backend"], settings["dtype"], settings["weights"], settings["threads"]) == \
+        ("ggml", "float32", "float", 0)
+    whole = runplan.make(cfg, opened(llama31_8b(8192), "ggml"), prompt=200).as_run("ggml", (), "none", 0, None)
+    assert whole.settings(cfg)["context"] == cfg.context == 0
+    assert whole.settings(Config(tokens=100_000, context=100_000))["context"] == 100_000  # past the window: as asked

@@ -259,7 +259,7 @@ class Display:
         if stats.get("stopped"):
             t.add_row("stopped", str(stats["stopped"]))
         t.add_row("peak memory", human_bytes(stats.get("peak_rss_bytes", 0)))
-        if stats.get("resolved"):  # what the run resolved its settings to (records.Resolved)
+        if stats.get("resolved"):  # what the run resolved its settings to (runplan.RunPlan.resolved)
             r = stats["resolved"]
             t.add_row("ran on", f"{r['backend']}, {r['device']}/{r['dtype']}, {r['weights']} weights, "
                                 f"{r['threads'] or 'governed'} threads, {r['context']}-token context")

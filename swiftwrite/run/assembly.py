@@ -5,11 +5,11 @@ budget, the outline's schedule, and the planning engine of --plan.
 In the order a run pays for them: the model's files, configuration, tokenizer and device first (`open_model`),
 the context window checked against free memory (`make_window`), only then the weights (`load_weights`), then the
 sampler, draft sources and cost curves (`assemble_engine`, `curves_for`; the session fits them as it starts).
-`open_session` does it for a document and returns the Session with a frozen record of what it resolved
-(`Resolved`: the stats and the panel show it) and the settings a resume must run again (`Session.settings`, built
-once here; the configuration a caller passes in is never changed). `outline_engine` is the same order for --plan's
-outline, which is written before the document's prompt is known: the document's window checked against free memory,
-the weights, then the planning engine, in one call.
+`open_session` does it for a document and returns the Session with its plan as run (`runplan.RunPlan.as_run`,
+frozen: the stats and the panel show what it resolved to) and the settings a resume must run again
+(`Session.settings`, read from that plan; the configuration a caller passes in is never changed). `outline_engine` is
+the same order for --plan's outline, which is written before the document's prompt is known: the document's window
+checked against free memory, the weights, then the planning engine, in one call.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from ..models.store import ModelRef, resolve, source_weights
 from ..tensors.exact import check
 from . import memory, ranks, runplan, schedule
 from .devices import attention_notes, fit_dtype, free_memory, pick_device, pick_weights, quantized_option, weight_bytes
-from .records import Loaded, Resolved
+from .records import Loaded
 from .session import Limits, Session
 
 # ---------------------------------------------------------------------------------------------------------
@@ -64,7 +64,9 @@ def check_device(cfg: Config) -> None:
 
 
 def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Loaded:
-    """Everything about the model short of its weights: files, configuration, device, dtype, tokenizer."""
+    """Everything about the model short of its weights: files, configuration, tokenizer, and every choice of how it
+    runs (device, dtype, weights, backend, threads, attention, graphs, ranks), made before the record is
+    (load_weights fills in what loading makes: the model, and the backend where `auto` is timed)."""
     if ref is None:
         check_gguf_header(Path(cfg.model).expanduser())
         ref = resolve(cfg.model, log=display.info, device=cfg.device)
@@ -88,12 +90,11 @@ def open_model(cfg: Config, display: Display, ref: ModelRef | None = None) -> Lo
         display.info("--cuda-graphs: not captured under tensor parallelism (the collectives are outside the graphs); "
                      "running without graphs.")
         graphs = False
-    lm = _loaded(ref, mcfg, device, dtype, cfg.attention, graphs and lean)
-    lm.weights, lm.weights_note, lm.tp, lm.threads = weights, weights_note, cfg.tp, threads
-    lm.backend = backends.choose(cfg, ref.path, device, display.info)
-    if not backends.runs_torch_weights(lm.backend):
-        lm.weights_note = None  # torch's weights do not apply: llama.cpp runs the GGUF's own bits
-    return lm
+    backend = backends.choose(cfg, ref.path, device, display.info)
+    if not backends.runs_torch_weights(backend):
+        weights_note = None  # torch's weights do not apply: llama.cpp runs the GGUF's own bits
+    return _loaded(ref, mcfg, device, dtype, cfg.attention, graphs and lean, weights=weights, weights_note=weights_note,
+                   backend=backend, threads=threads, tp=cfg.tp)
 
 
 def _weights(cfg: Config, ref: ModelRef, device: str, dtype, mcfg: "ModelConfig", lean: bool) -> tuple[str, str | None]:
@@ -135,8 +136,11 @@ def _check_parallel(cfg: Config, device: str, mcfg: "ModelConfig", lean: bool) -
     check_divides(mcfg, cfg.tp)
 
 
-def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype, attention: str, graphs: bool) -> Loaded:
-    return Loaded(ref, load_tokenizer(ref.path), mcfg, device, dtype, attention=attention, cuda_graphs=graphs)
+def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype, attention: str, graphs: bool, *, weights: str,
+            weights_note: str | None, backend: str, threads: int, tp: int) -> Loaded:
+    """The opened model in one record, with the choices open_model made; its tokenizer is read last."""
+    return Loaded(ref, load_tokenizer(ref.path), mcfg, device, dtype, attention=attention, cuda_graphs=graphs,
+                  weights=weights, tp=tp, weights_note=weights_note, backend=backend, threads=threads)
 
 
 def load_weights(lm: Loaded, display_log=lambda msg: None) -> None:
@@ -148,7 +152,7 @@ def load_weights(lm: Loaded, display_log=lambda msg: None) -> None:
     lm.backend, lm.model = backends.load(lm.backend, lm.ref.path, torch.get_num_threads(), torch_model, ggml_model,
                                          price_torch, display_log)
     if not backends.runs_torch_weights(lm.backend):
-        lm.weights_note = None
+        lm.weights_note = None  # `auto` timed llama.cpp the faster: torch's weights do not apply
 
 
 def _load_torch(lm: Loaded, display_log) -> Forward:
@@ -370,22 +374,15 @@ def open_session(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan |
     if plan or notes is not None:
         engine.pin_context(prompt_len, memory.pinned(notes, sched.pin_at if sched else None,
                                                      lambda: engine.S[prompt_len:].numpy()))
-    # what a resume must run again: `auto` resolved (the dtype memory allowed, the backend timed here, the ranks'
-    # thread share), as the run directory records it
-    # (and the context the free memory allowed where it is less than the model's window: a resume must rebuild
-    # the context at the same tokens)
-    fitted = window.context if window.context < min(cfg.context or lm.mcfg.max_positions, lm.mcfg.max_positions) \
-        else cfg.context
-    settings = dataclasses.replace(cfg, dtype=dtype_name(lm.dtype), weights=lm.weights, backend=lm.backend,
-                                   threads=lm.threads, context=fitted).validate().to_dict()
-    resolved = Resolved(model=lm.ref.name, fingerprint=lm.ref.fingerprint, device=lm.device, dtype=settings["dtype"],
-                        weights=lm.weights, backend=lm.backend, attention=lm.attention, cuda_graphs=lm.cuda_graphs,
-                        threads=lm.threads, tp=lm.tp, context=window.context,
-                        drafting=tuple(src.name for src in engine.sources),
-                        budget=str(engine.budget) if engine.budget is not None else "auto" if engine.sources else "none",
-                        drafting_off=why, bans=len(engine.bans.phrases) + len(engine.bans.patterns) if engine.bans else 0)
+    ran = run_plan.as_run(lm.backend, tuple(src.name for src in engine.sources), _budget_name(engine),
+                          len(engine.bans.phrases) + len(engine.bans.patterns) if engine.bans else 0, why)
     limits = Limits(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Limits)})  # as asked, not resolved
-    return Session(settings, limits, lm, engine, sched, display, resolved, curves_for(lm), plan=run_plan, notes=notes)
+    return Session(ran.settings(cfg), limits, lm, engine, sched, display, curves_for(lm), plan=ran, notes=notes)
+
+
+def _budget_name(engine: Engine) -> str:
+    """The engine's draft nodes per step as the plan names them: a number, "auto", or "none" (no source drafts)."""
+    return str(engine.budget) if engine.budget is not None else "auto" if engine.sources else "none"
 
 
 def plan_with_notes(cfg: Config, lm: Loaded, prompt_len: int, plan: schedule.Plan | None, kept: dict | None,

@@ -1,5 +1,6 @@
 """The records a run is put together into (assembly.py): the model as it is opened and loaded (`Loaded`), and what
-the run resolved its settings to (`Resolved`, frozen: the stats JSON, the checkpoints and the panel's summary show it).
+a loaded model is (`ModelPart`: a batch shares one model between documents whose parts are equal). What the run
+resolved its settings to is its plan as run (runplan.RunPlan.as_run).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ MODEL_OPTIONS = ("model", *(f.name for f in dataclasses.fields(ModelPart) if f.n
 
 @dataclass
 class Loaded:
-    """The model as it is opened, then loaded: what the later steps of the assembly read."""
+    """The model as it is opened, then loaded: what the later steps of the assembly read. Made once by
+    assembly.open_model with every choice; assembly.load_weights fills in `model` and the `backend` it timed."""
 
     ref: ModelRef
     tok: object
@@ -58,27 +60,3 @@ class Loaded:
     def part(self) -> ModelPart:
         return ModelPart(self.ref.fingerprint, self.device, str(self.dtype).removeprefix("torch."), self.weights,
                          self.backend, self.threads, self.attention, self.cuda_graphs, self.tp)
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """What a run resolved its settings to, once, before the first token."""
-
-    model: str  # the model's name in the store (or its path)
-    fingerprint: str
-    device: str
-    dtype: str
-    weights: str  # float, int8, int4
-    backend: str  # torch, ggml
-    attention: str
-    cuda_graphs: bool
-    threads: int  # 0: governed by load
-    tp: int
-    context: int  # tokens the model attends to
-    drafting: tuple[str, ...]  # the draft sources that run
-    budget: str  # draft nodes per step: a number, "auto", or "none"
-    drafting_off: str | None  # why drafting does not run although it was asked for, in a sentence
-    bans: int  # banned phrases and patterns
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)

@@ -73,16 +73,18 @@ class RunPlan:
     device: str
     dtype: str
     weights: str
-    backend: str  # torch, ggml, ggml-repacked; "auto" where the first run here times them
+    backend: str  # torch, ggml, ggml-repacked; "auto" where the first run here times them (as_run: as timed)
+    attention: str  # config.ATTENTIONS
+    cuda_graphs: bool  # the lean model wrapped in graphs.GraphedModel (checked: CUDA and the tree kernel)
     threads: int  # 0: torch's default, governed by load
     tp: int
     window: int  # the model's positions
     context: int  # the positions the run attends to
     prompt: int  # tokens of prompt (with an outline, its longest pinned section note; with notes, their reserve)
     tokens: int  # tokens to write
-    drafting: tuple[str, ...]  # the sources asked for; start-up probes may still turn them off (said then)
-    budget: str
-    bans: int
+    drafting: tuple[str, ...]  # the sources asked for; start-up probes may still turn them off (as_run: that run)
+    budget: str  # draft nodes per step: a number, "auto", or "none"
+    bans: int  # banned phrases (as_run: and patterns, as the engine holds them)
     sampler: dict
     memory: Memory
     estimate: float | None  # seconds to write `tokens` here, prefill and rebuilds included
@@ -91,9 +93,44 @@ class RunPlan:
     draft: str = "all"  # ... with --draft and --budget as asked
     asked_budget: str = "auto"
 
-    def rate_key(self, backend: str) -> str:
-        """The key of this run's kept costs, once `backend` is what runs (auto timed)."""
-        return rate_key(self.fingerprint, backend, self.weights, self.dtype, self.threads_now, self.draft,
+    def as_run(self, backend: str, drafting: tuple[str, ...], budget: str, bans: int,
+               drafting_off: str | None) -> RunPlan:
+        """The plan as the run goes, once the weights are loaded and the engine is built: the backend that loaded
+        (`auto` timed), the draft sources, budget and bans the engine holds, and where drafting was asked for but is
+        off, the sentence that says why as the drafting note."""
+        notes = dict(self.notes)
+        if drafting_off:
+            notes["drafting"] = drafting_off
+        return dataclasses.replace(self, backend=backend, drafting=drafting, budget=budget, bans=bans,
+                                   notes=tuple(notes.items()))
+
+    @property
+    def drafting_off(self) -> str | None:
+        """Why drafting does not run although it was asked for, in a sentence (None: it runs, or was not asked for).
+        Every --draft but none runs a source unless a start-up probe turned drafting off (as_run)."""
+        return dict(self.notes).get("drafting") if self.draft != "none" and not self.drafting else None
+
+    def resolved(self) -> dict:
+        """What the run resolved its settings to, as the stats JSON keeps it (its "resolved"; the panel's summary
+        reads it): of a plan as run."""
+        return {"model": self.model, "fingerprint": self.fingerprint, "device": self.device, "dtype": self.dtype,
+                "weights": self.weights, "backend": self.backend, "attention": self.attention,
+                "cuda_graphs": self.cuda_graphs, "threads": self.threads, "tp": self.tp, "context": self.context,
+                "drafting": self.drafting, "budget": self.budget, "drafting_off": self.drafting_off,
+                "bans": self.bans}
+
+    def settings(self, cfg: Config) -> dict:
+        """What a resume must run again, as the run directory records it: `cfg` with `auto` resolved as this plan as
+        run has it (the dtype memory allowed, the backend timed here, the ranks' thread share), and the context where
+        the free memory made it less than asked, or than the model's window (a resume must rebuild the context at
+        the same tokens)."""
+        fitted = self.context if self.context < min(cfg.context or self.window, self.window) else cfg.context
+        return dataclasses.replace(cfg, dtype=self.dtype, weights=self.weights, backend=self.backend,
+                                   threads=self.threads, context=fitted).validate().to_dict()
+
+    def rate_key(self) -> str:
+        """The key of this run's kept costs, of a plan as run (its backend timed)."""
+        return rate_key(self.fingerprint, self.backend, self.weights, self.dtype, self.threads_now, self.draft,
                         self.asked_budget)
 
     @property
@@ -162,7 +199,8 @@ def make(cfg: Config, lm: Loaded, prompt: int, notes: tuple[tuple[str, str], ...
     sampler = {"temperature": cfg.temperature, "min-p": cfg.min_p, "top-p": cfg.top_p, "top-k": cfg.top_k,
                "penalty": cfg.penalty, "dry": cfg.dry_multiplier, "seed": cfg.seed}
     return RunPlan(model=lm.ref.name, path=str(lm.ref.path), fingerprint=lm.ref.fingerprint, device=lm.device,
-                   dtype=dtype, weights=lm.weights, backend=backend, threads=lm.threads, tp=lm.tp,
+                   dtype=dtype, weights=lm.weights, backend=backend, attention=lm.attention,
+                   cuda_graphs=lm.cuda_graphs, threads=lm.threads, tp=lm.tp,
                    window=lm.mcfg.max_positions, context=context, prompt=prompt, tokens=cfg.tokens, drafting=names,
                    budget=budget, bans=len(cfg.ban), sampler=sampler, memory=mem, estimate=seconds, notes=notes,
                    threads_now=threads, draft=cfg.draft, asked_budget=cfg.budget)

@@ -37,7 +37,7 @@ from ..models import threads
 from ..models.backends import cpu_extensions
 from . import memory, runplan, schedule
 from .interrupts import Interrupt, interrupted_before_the_loop, lost, resume_command, until_a_rank_is_lost
-from .records import Loaded, Resolved
+from .records import Loaded
 from .runstats import RunStats, plain_int, write_stats_json
 
 # ---------------------------------------------------------------------------------------------------------
@@ -103,11 +103,12 @@ class Session:
     engine: Engine
     sched: schedule.Schedule | None
     display: Display
-    resolved: Resolved | None = None  # what the run resolved its settings to (the stats show it)
     curves: Curves | None = None  # the automatic budget's cost curves
     cells: CellFiles | None = None  # the cache's cells saved at each checkpoint (abilities.saves_cells)
     cells_saved: tuple = ((0, 0), 0)  # the context span they belong to, and the end of the last stretch saved
-    plan: runplan.RunPlan | None = None  # what the run was planned to be (the estimate; its costs are kept for the next)
+    # what the run was planned to be, as it runs (RunPlan.as_run): the stats' estimate and "resolved", plan.json;
+    # its costs are kept for the next estimate
+    plan: runplan.RunPlan | None = None
     prefill: tuple[float, int] = (0.0, 0)  # a new run's prefill: seconds, tokens
     notes: memory.Notes | None = None  # pinned past the window (memory.py): the stats show the lore entries in
     _lore: tuple = (None, [])  # the context span the lore entries below were found for, and they
@@ -141,7 +142,7 @@ class Session:
             written = json.loads(path.read_text()) if path.is_file() else None
         except (OSError, ValueError):
             written = None  # a damaged record is only a record: the run's own files decide what runs
-        now = {**self.plan.to_dict(), "backend": self.lm.backend}  # `auto` as it was timed
+        now = self.plan.to_dict()  # as run: `auto` as it was timed
         for line in runplan.differences(written, now) if isinstance(written, dict) else ():
             self.display.info(line)
         atomic_write(path, json.dumps(now, indent=1).encode())
@@ -210,7 +211,7 @@ class Session:
             "prefill_seconds": round(self.prefill[0], 3),  # a new run's prompt, before `seconds` start
             **({"estimated_seconds": round(self.plan.estimate, 3) if self.plan.estimate is not None else None,
                 "planned_memory_bytes": self.plan.memory.total} if self.plan else {}),
-            **({"resolved": self.resolved.to_dict()} if self.resolved else {}),
+            **({"resolved": self.plan.resolved()} if self.plan else {}),
             # a run continued from an edited text (rounds.py): its round, and the token where the edit began
             **({"round": rd.round, "edit_at": (rd.stats or {}).get("edit_at")} if rd.round > 1 else {}),
             **({"notes": self.notes_now()} if self.notes is not None else {}),
@@ -385,7 +386,7 @@ class Session:
                  f"distinct_1_per_{WORDS_WINDOW}": distinct_per_window(rd.tokens, WORDS_WINDOW)}
         display.summary(final)
         if self.plan is not None and st.made:
-            runplan.keep_rates(self.plan.rate_key(self.lm.backend), st.rate_seconds, st.rate_tokens, self.prefill)
+            runplan.keep_rates(self.plan.rate_key(), st.rate_seconds, st.rate_tokens, self.prefill)
         if stats_json is not None:
             write_stats_json(stats_json, final, f"the run itself is saved in {rd.path}.")
         if st.stopped == "loop":
