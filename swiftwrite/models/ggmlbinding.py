@@ -10,8 +10,9 @@ from collections import deque
 
 from ..base.errors import UserError
 
-REBUILD = ('CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" pip install --force-reinstall --no-cache-dir --no-deps '
-           'llama-cpp-python==0.3.36')  # the binding without llamafile, whose tiles give 2+ rows other bits
+# the binding without llamafile, whose tiles give 2+ rows other bits (and without llava's library, never loaded)
+REBUILD = ('CMAKE_ARGS="-DGGML_LLAMAFILE=OFF -DLLAVA_BUILD=OFF" pip install --force-reinstall --no-cache-dir '
+           '--no-deps llama-cpp-python==0.3.36')
 
 _log: deque[tuple[int, str]] = deque(maxlen=16)  # llama.cpp's last messages: the reason behind a failed load, said in one line
 _binding = None
