@@ -1,11 +1,12 @@
 """The ids the sampler suppresses until --tokens are written: the model's and the tokenizer's end ids, only those the
-model can write, read from the tokenizer once."""
+model can write, read from the tokenizer once; and each id's text, which the DRY breakers are found in."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from swiftwrite.decoding.vocab import suppressed_ids
+from swiftwrite.decoding.vocab import decode_each, suppressed_ids
+from swiftwrite.models.modelfiles import load_tokenizer
 
 
 class Tok:
@@ -32,3 +33,12 @@ def test_the_vocabulary_is_read_once_per_tokenizer():
     for _ in range(5):
         assert suppressed_ids(tok, mcfg) == (4,)
     assert tok.built == 1
+
+
+def test_each_ids_text_is_what_batch_decode_gives_with_and_without_the_clean_up_of_spaces(default_model_dir):
+    tok = load_tokenizer(default_model_dir)
+    n = len(tok)
+    assert not tok.clean_up_tokenization_spaces  # the Rust batch decode's case
+    assert decode_each(tok, n) == tok.batch_decode([[i] for i in range(n)])
+    tok.clean_up_tokenization_spaces = True  # " ." -> "." after decoding: transformers' own path, one id at a time
+    assert decode_each(tok, n) == tok.batch_decode([[i] for i in range(n)])
