@@ -306,7 +306,7 @@ def test_an_empty_phrase_is_refused_by_the_configuration_and_an_outline_takes_ba
 
 def test_the_default_model_never_writes_a_banned_phrase_drafting_equals_plain_and_resume_keeps_the_ban(
         default_model_dir, tmp_path):
-    """The default model, greedy, 300 tokens: ban a phrase and a pattern its unbanned text holds; the banned runs
+    """The default model, greedy, 200 tokens: ban a phrase and a pattern its unbanned text holds; the banned runs
     with --draft none and --draft all write the same tokens, none holds either, the run directory keeps them, a
     resume of the run cut back to a checkpoint writes the same tokens, and the statistics count the backtracks."""
     from swiftwrite.run import writer
@@ -315,7 +315,7 @@ def test_the_default_model_never_writes_a_banned_phrase_drafting_equals_plain_an
     brief.write_text("Write a short story about a lighthouse keeper who finds a message in a bottle.")
 
     def gen(name, **kw):
-        cfg = Config(tokens=300, temperature=0.0, context=512, chunk=64, **kw).validate()
+        cfg = Config(tokens=200, temperature=0.0, context=512, chunk=64, **kw).validate()
         given = inputs.read(cfg, str(brief), tmp_path / name, tmp_path / f"{name}.md", tmp_path / f"{name}.json")
         assert writer.generate(given, True, True) == 0
         return (tmp_path / f"{name}.md").read_text(), json.loads((tmp_path / f"{name}.json").read_text())
@@ -342,7 +342,7 @@ def test_the_default_model_never_writes_a_banned_phrase_drafting_equals_plain_an
     assert yaml.safe_load((tmp_path / "pattern" / "config.yaml").read_text())["ban_pattern"] == [pattern]
     # `resume --tokens` keeps enforcing it (from the run directory's settings), with drafts as without
     for name in ("plain", "drafted"):
-        assert writer.resume(tmp_path / name, 450, tmp_path / f"{name}2.md", False, True, True, None) == 0
+        assert writer.resume(tmp_path / name, 300, tmp_path / f"{name}2.md", False, True, True, None) == 0
     longer = (tmp_path / "plain2.md").read_text()
     assert longer.startswith(plain) and phrase.lower() not in longer.lower()
     assert (tmp_path / "drafted2.md").read_text() == longer

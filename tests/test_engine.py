@@ -504,7 +504,7 @@ def test_suppressed_stop_ids_never_appear(models, penalty):
 
 
 CHAT = [{"role": "user", "content": "Write a long story about a lighthouse keeper who finds a message in a bottle."}]
-REAL_N = 300
+REAL_N = 200
 REAL_SETTINGS = {
     "greedy": SamplerSettings(penalty=1.2, window=1024),
     "sampled": SamplerSettings(temperature=0.7, min_p=0.1, penalty=1.2, window=1024, seed=11),
@@ -543,6 +543,6 @@ def test_real_model_speculative_equals_plain(real, setting_id):
     got, steps = generate(model, prompt, REAL_SETTINGS[setting_id], names, static, budget=REAL_BUDGET, n=REAL_N,
                           context=2048)
     assert_lossless(got, reference(setting_id))
-    # Measured: recycling alone accepts 20-50 drafts in these 300 tokens; the n-gram table alone, with the penalty
-    # on and little text yet written, 5-8.
+    # Measured at 300 tokens: recycling alone accepted 20-50 drafts; the n-gram table alone, with the penalty on and
+    # little text yet written, 5-8. 200 tokens (2026-12-07; 24 s a case alone here against ~40 at 300) still pass.
     assert_drafts_accepted(steps, min_share=0.05, min_longest=2)
