@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="the static forward uses the Triton tree kernel (pip install -e '.[test]')")
 
-from swiftwrite.kernels.tree_attention import ancestry_bits  # noqa: E402
+from swiftwrite.kernels.tree_attention import MAX_NODES, ancestry_bits  # noqa: E402
 from swiftwrite.decoding.engine import Engine, make_sources  # noqa: E402
 from swiftwrite.models.graphs import BUCKETS, GraphedModel, bucket_for  # noqa: E402
 from swiftwrite.models.model import load_lean  # noqa: E402
@@ -49,7 +49,7 @@ def a_tree(root: int) -> DraftTree:
 def test_buckets():
     assert [bucket_for(n) for n in (1, 2, 3, 5, 9, 17, 33, 64)] == [1, 2, 4, 8, 16, 32, 64, 64]
     assert bucket_for(65) is None
-    assert BUCKETS[-1] == 64
+    assert BUCKETS[-1] == 64 == MAX_NODES  # the largest bucket is the largest tree the kernel takes
 
 
 def test_a_padded_static_forward_gives_the_real_nodes_the_plain_logits_and_slots(pair):

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.tree_attention import MAX_NODES, ancestry_bits
-
 from .model import KVCache, LeanModel, check_positions
 
-BUCKETS = (1, 2, 4, 8, 16, 32, MAX_NODES)
+# the last: the tree kernel's MAX_NODES (kernels/tree_attention.py; a test holds them equal). The kernel module is not
+# imported here: it imports triton (0.3 s and a 66 MB library), and every run imports this module, graphs or not; a
+# GraphedModel reaches the kernel through its model (model.gpu.tree), which it cannot be made without.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 WARMUP = 2  # eager runs before a capture: compile the Triton kernel for this size, settle the allocator
 
 
@@ -82,7 +83,7 @@ class GraphedModel:
         b.bits.copy_(b.alone)
         if n > 1:
             anc = mask if tree else torch.ones(n, n, dtype=torch.bool, device=ids.device).tril_()
-            b.bits[:n] = ancestry_bits(anc)
+            b.bits[:n] = self.model.gpu.tree.ancestry_bits(anc)
         self._length.fill_(cache.length)
         logits, hidden = b.replay()
         self.replays += 1
