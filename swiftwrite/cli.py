@@ -27,6 +27,7 @@ from .base import options, rules
 from .base.errors import RankLost, UsageError, UserError
 from .base.options import OPTIONS, Option
 from .batch import rayjoin
+from .io import rundir
 from .run import inputs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -199,6 +200,7 @@ def resume(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="The run 
         config_mod.Config(tp=o.tp).validate({"tp": "--tp"})
     if o.threads is not None:
         config_mod.Config(threads=o.threads).validate({"threads": "--threads"})
+    rundir.check_path(run_dir)  # a mistyped path refused at once, before torch's import (2 s)
     m = heavy()  # after the options are checked, as in generate
     here = m.ranks.current
     if here is not None and o.tp is not None and o.tp != here.world:

@@ -18,6 +18,7 @@ from swiftwrite.base import options
 from swiftwrite.base import config as config_mod
 from swiftwrite.base.config import Config, flag
 from swiftwrite.base.options import BY_NAME, OPTIONS
+from swiftwrite.io.runfiles import META
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 # Config fields that are no option of `generate` (set by code, never by a user): none yet
@@ -187,6 +188,7 @@ def test_train_heads_passes_the_tables_defaults_and_types_lr_as_a_number(monkeyp
 def test_resume_and_bench_type_their_numbers_and_fill_their_defaults(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.setattr(cli, "heavy", lambda: heavy_stub(seen))
+    (tmp_path / META).write_text("{}")  # a run directory by its look: resume refuses any other before heavy()
     CliRunner().invoke(cli.app, ["resume", str(tmp_path), "--tokens", "50", "--quiet"])
     (run_dir, tokens, out, force, quiet, no_live, stats_json, world, edited, threads), _ = seen.pop("resume")
     assert (tokens, out, force, quiet, no_live, stats_json, world, edited, threads) == \

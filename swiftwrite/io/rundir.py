@@ -30,6 +30,21 @@ from .runfiles import (CONFIG, FORMAT, LOCK, MEMORY, META, OUTLINE, OUTLINE_MD, 
                        sweep_staging)
 
 
+def check_path(path) -> Path:
+    """`path` as a run directory's, refused in one sentence where it is none: missing, a file, or without META
+    (checked before locking, so a lock file is never dropped in a stranger's directory). Reads nothing heavy:
+    `swiftwrite resume` calls it before torch is imported, so a mistyped path is refused at once."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"run directory {p} does not exist; check the path, or start a new run.")
+    if not p.is_dir():
+        raise UserError(f"{p} is a file, not a run directory; pass the directory a run was written to.")
+    if not (p / META).is_file():
+        raise UserError(f"{p} is not a swiftwrite run directory (it has no {META}); "
+                        "pass the directory a run was written to.")
+    return p
+
+
 class RunDir:
     def __init__(self, path: Path, lock_fd: int):  # use create() or open()
         self.path = path
@@ -120,14 +135,7 @@ class RunDir:
 
     @classmethod
     def open(cls, path) -> RunDir:
-        p = Path(path)
-        if not p.exists():
-            raise UserError(f"run directory {p} does not exist; check the path, or start a new run.")
-        if not p.is_dir():
-            raise UserError(f"{p} is a file, not a run directory; pass the directory a run was written to.")
-        if not (p / META).is_file():  # checked before locking, so we never drop a lock file in a stranger's dir
-            raise UserError(f"{p} is not a swiftwrite run directory (it has no {META}); "
-                            "pass the directory a run was written to.")
+        p = check_path(path)
         try:
             self = cls(p, lock(p, LOCK))
         except OSError as e:
