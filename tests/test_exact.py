@@ -5,10 +5,13 @@ depend on how many run together, and a run then decodes without drafts with one 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
+from swiftwrite.base import measurements
 from swiftwrite.tensors import exact
 from swiftwrite.models import model as model_mod
 from swiftwrite.decoding.engine import Engine, make_sources
@@ -231,6 +234,94 @@ def test_a_bfloat16_run_whose_probe_fails_drafts_nothing_says_why_and_completes(
                for s in said), said
     engine.start(prompt())
     assert sum(len(s.tokens) for s in engine.run(50)) == 50
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Piece sizes kept: measured once on a machine (most of a half-precision start), probed at every start
+
+
+def test_kept_piece_sizes_are_read_back_without_measuring_and_the_probe_still_runs(bf16, tmp_path, monkeypatch):
+    keep = (tmp_path / "exact_rows.json", "tiny/bfloat16")
+    monkeypatch.setattr(exact, "_cache", {})  # measured here, not taken from this process's earlier tests
+    assert exact.check(bf16, keep) is None
+    measured = dict(bf16.rows)
+    assert measurements.kept(*keep) == measured
+    monkeypatch.setattr(exact, "plan_rows", lambda model: pytest.fail("the kept piece sizes were measured again"))
+    probed = []
+    real_probe = exact.tree_probe
+    monkeypatch.setattr(exact, "tree_probe", lambda model: probed.append(model) or real_probe(model))
+    bf16.set_pieces(None)
+    assert exact.check(bf16, keep) is None and bf16.rows == measured and probed == [bf16]
+
+
+def test_kept_piece_sizes_that_fail_the_probe_are_measured_again_and_replaced(bf16, tmp_path, monkeypatch):
+    keep = (tmp_path / "exact_rows.json", "tiny/bfloat16")
+    measured, why = exact.plan_rows(bf16)
+    wrong = {k: 2 if n != 2 else 3 for k, n in measured.items()}
+    assert why is None and wrong != measured
+    measurements.keep(*keep, wrong)
+    verdicts = iter(["node 3 differs", None])  # the kept sizes fail the probe; the measured ones pass it
+    monkeypatch.setattr(exact, "tree_probe", lambda model: next(verdicts))
+    assert exact.check(bf16, keep) is None
+    assert next(verdicts, "both probes ran") == "both probes ran"
+    assert bf16.rows == measured and measurements.kept(*keep) == measured
+
+
+@pytest.mark.parametrize("entry", ["not json", {"tiny/bfloat16": {"wqkv": 64}}, {"tiny/bfloat16": [2, 3]},
+                                   {"tiny/bfloat16": 7}, "sizes out of range"])
+def test_a_damaged_or_mis_shaped_kept_entry_is_measured_again(bf16, tmp_path, monkeypatch, entry):
+    path = tmp_path / "exact_rows.json"
+    if entry == "sizes out of range":
+        entry = {"tiny/bfloat16": {k: exact.MAX_ROWS + 1 for k in exact.products(bf16)}}
+    path.write_text(entry if isinstance(entry, str) else json.dumps(entry))
+    measured = []
+    real = exact.plan_rows
+    monkeypatch.setattr(exact, "plan_rows", lambda model: measured.append(1) or real(model))
+    assert exact.check(bf16, (path, "tiny/bfloat16")) is None and measured == [1]
+    assert measurements.kept(path, "tiny/bfloat16") == bf16.rows
+
+
+def test_a_measurement_that_finds_no_exact_pieces_is_not_kept(bf16, tmp_path, monkeypatch):
+    keep = (tmp_path / "exact_rows.json", "tiny/bfloat16")
+    monkeypatch.setattr(exact, "_cache", {})
+    monkeypatch.setattr(bf16, "rows", None)
+    real = model_mod.linear
+    monkeypatch.setattr(exact, "_mm", lambda w, x, pad=False: real(x, Drifting(w, start=2))
+                        if isinstance(w, torch.Tensor) else real(x, w))
+    assert "among 2 rows than alone" in exact.check(bf16, keep)
+    assert measurements.kept(*keep) is None  # the next start measures again
+
+
+def test_a_run_keeps_its_pieces_under_its_threads_and_a_second_start_reads_them(bf16, tiny, tmp_path, monkeypatch):
+    """assembly's key: the model file, dtype and threads among what it names; 1 and 2 threads are kept apart."""
+    from swiftwrite.base.config import Config
+    from swiftwrite.models.store import ModelRef
+    from swiftwrite.run import assembly
+
+    monkeypatch.setenv("SWIFTWRITE_HOME", str(tmp_path))
+    monkeypatch.setattr(exact, "_cache", {})
+    lm = assembly.Loaded(ModelRef("tiny", tiny, "fp-tiny"), None, bf16.cfg, "cpu", BF16, model=bf16)
+    display = type("D", (), {"info": staticmethod(lambda s: None)})()
+    measured = []
+    real = exact.plan_rows
+    monkeypatch.setattr(exact, "plan_rows", lambda model: measured.append(torch.get_num_threads()) or real(model))
+
+    def start():
+        bf16.set_pieces(None)
+        engine = assembly.build_engine(Config(draft="recycling", dtype="bfloat16"), lm, Window(CONTEXT, 24), 100,
+                                       display)
+        assert len(engine.sources) == 1 and bf16.rows is not None
+
+    start()
+    start()
+    torch.set_num_threads(2)
+    try:
+        start()
+    finally:
+        torch.set_num_threads(1)
+    assert measured == [1, 2]
+    kept = json.loads((tmp_path / "exact_rows.json").read_text())
+    assert len(kept) == 2 and all(k.startswith("fp-tiny/float/bfloat16/") for k in kept)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -239,7 +239,7 @@ def drafting(cfg: Config, lm: Loaded, display: Display) -> tuple[list[str], str 
                "what plain decoding writes.")
     if "heads" in names and lm.tp > 1:
         names.remove("heads")  # "all": the train-free sources, which draft on rank 0 alone (_check_parallel)
-    if names and not why and able.exact_rows and (found := check(lm.model)):  # the bits exactness rests on, here
+    if names and not why and able.exact_rows and (found := check(lm.model, rows_kept(lm))):  # the bits it rests on
         setting = f"--weights {lm.weights}" if lm.weights != "float" else f"--dtype {dtype_name(lm.dtype)}"
         why = (f"{setting}: {found}, so drafts could change the text; decoding without them (as --draft none) keeps "
                "it exactly what plain decoding writes.")
@@ -250,6 +250,20 @@ def drafting(cfg: Config, lm: Loaded, display: Display) -> tuple[list[str], str 
         display.info(why)
         return [], why
     return names, None
+
+
+def rows_kept(lm: Loaded) -> tuple[Path, str] | None:
+    """Where exact.check keeps the piece sizes it measured for this model (None for a model with no file of its own,
+    as tests build): the key names what a product's bits depend on, the weights' values (the model file), dtype,
+    quantization and pads, the threads, the device and the CPU's extensions, and torch's version (its kernels)."""
+    if lm.ref is None:
+        return None
+    model = lm.model
+    device = model.device.type if model.device.type == "cpu" else torch.cuda.get_device_name(model.device)
+    pads = ",".join(sorted(k for k, v in getattr(model, "pads", {}).items() if v)) or "none"
+    return measurements.file("exact_rows.json"), (
+        f"{lm.ref.fingerprint}/{lm.weights}/{dtype_name(lm.dtype)}/pads-{pads}/{torch.get_num_threads()}t/{device}/"
+        f"{backends.machine_key()}/torch-{torch.__version__}")
 
 
 def fixed_budget(cfg: Config, names: list[str], display: Display) -> int | None:

@@ -23,8 +23,11 @@ sentence saying why, where they do not hold.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from ..base import measurements
 from .ops import linear
 
 MAX_ROWS = 64  # the largest forward a tree runs (budget.MAX_BUDGET + the root)
@@ -177,11 +180,34 @@ def chain_probe(model, n: int = MAX_ROWS, prefix: int = 200) -> str | None:
     return None
 
 
-def check(model) -> str | None:
+def check(model, keep: tuple[Path, str] | None = None) -> str | None:
     """Set up `model` for exact trees (the product piece sizes) and check it: None, or why drafts could change the
     text on this machine. On a GPU also a chain as long as the largest tree (~1 s): CUDA kernels choose their
     launch shape, and with it a sum's order, by the row count, which a small tree does not reach. On a CPU, where
-    it would add seconds to each start, the lossless tests run trees of every size through the same kernels."""
+    it would add seconds to each start, the lossless tests run trees of every size through the same kernels.
+
+    `keep`: (file, key) where the piece sizes measured for this model on this machine are kept (measurements.py),
+    since measuring them is most of a start in half precision or with quantized weights (4-8 s for the default
+    model here, against 0.5 s for the probe). The probe runs at every start whether the sizes were kept or
+    measured, and kept sizes that fail it are measured again: a kept entry is a cache, never trusted over a check."""
+    rows = measurements.kept(*keep, lambda v: _valid_rows(v, model)) if keep else None
+    if rows is not None:
+        model.set_pieces(rows)
+        if _probe(model) is None:
+            return None
     rows, why = plan_rows(model)
     model.set_pieces(rows)  # on the LeanModel inside a graphs.GraphedModel too: its static forward reads them
-    return why or tree_probe(model) or (chain_probe(model) if torch.device(model.device).type == "cuda" else None)
+    why = why or _probe(model)
+    if keep and why is None:
+        measurements.keep(*keep, rows)
+    return why
+
+
+def _probe(model) -> str | None:
+    return tree_probe(model) or (chain_probe(model) if torch.device(model.device).type == "cuda" else None)
+
+
+def _valid_rows(value, model) -> dict[str, int] | None:
+    """A kept entry as piece sizes for `model`'s products, or None where it is of another shape (measured again)."""
+    ok = set(value) == set(products(model)) and all(type(n) is int and 2 <= n <= MAX_ROWS for n in value.values())
+    return dict(value) if ok else None
