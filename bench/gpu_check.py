@@ -365,6 +365,9 @@ def main():
     ap.add_argument("--random-vocab", type=int, default=DEFAULT_SHAPE["vocab_size"],
                     help="vocabulary of the random stand-in (smaller: a quicker CPU check; the LM head's start-up "
                          "measurements dominate it)")
+    ap.add_argument("--random-prompt", type=int, default=64,
+                    help="ids in the random model's prompt (the CPU test: 16, since Triton's interpreter takes ~5 s "
+                         "to prefill 64 through the kernel in bfloat16, at each of its engine runs)")
     ap.add_argument("--short", type=int, default=2000)
     ap.add_argument("--long", type=int, default=32000)
     ap.add_argument("--equal-tokens", type=int, default=500)
@@ -425,7 +428,7 @@ def main():
         report["model"] = str(model)
         report["attention"] = {"tree_kernel": lm.model.gpu.tree is not None,
                                "flash_attn": lm.model.gpu.flash is not None, "notes": lm.model.gpu.notes}
-        prompt = prompt_for(lm)
+        prompt = prompt_for(lm, a.random_prompt)
     if lm is not None:
         graphs = lm.model.gpu.tree is not None  # the static forward behind the graphs is built on the tree kernel
         sections_after_load(a, report, lm, display, model, prompt, graphs, t_start)
@@ -443,11 +446,12 @@ SETTINGS = {"greedy": dict(temperature=0.0, min_p=0.0, penalty=1.2),
             "sample": dict(temperature=0.7, min_p=0.1, penalty=1.2, seed=7)}
 
 
-def prompt_for(lm) -> list[int]:
-    """The lighthouse brief as the novel template frames it, or 64 random ids for a model without a tokenizer."""
+def prompt_for(lm, random_ids: int = 64) -> list[int]:
+    """The lighthouse brief as the novel template frames it, or `random_ids` random ids for a model without a
+    tokenizer."""
     if lm.tok is None:
         g = torch.Generator().manual_seed(1)
-        return torch.randint(100, min(lm.model.cfg.vocab_size, 20000), (64,), generator=g).tolist()
+        return torch.randint(100, min(lm.model.cfg.vocab_size, 20000), (random_ids,), generator=g).tolist()
     from swiftwrite.io.prompt import apply_template, prompt_ids
 
     return prompt_ids(lm.tok, apply_template((ROOT / "prompts" / "lighthouse.txt").read_text(), "novel"), False)
@@ -477,7 +481,7 @@ def half_section(a, report: dict, model: Path, t_start: float) -> None:
 
     with section(report, f"equality in {a.half_dtype}", a.out, t_start):
         half, display = load(model, a.device, a.half_dtype, a.attention)
-        prompt = prompt_for(half)
+        prompt = prompt_for(half, a.random_prompt)
         why = check(half.model)
         report["exact_half"] = {"dtype": a.half_dtype, "check": why or "passed", "pieces": half.model.rows,
                                 "pads": half.model.pads, "step_kernel": half.model.gpu.tree is not None,
