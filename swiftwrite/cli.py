@@ -27,6 +27,7 @@ from .base import options, rules
 from .base.errors import RankLost, UsageError, UserError
 from .base.options import OPTIONS, Option
 from .batch import rayjoin
+from .bench import choices
 from .io import rundir
 from .run import inputs
 
@@ -233,12 +234,16 @@ def _resume_batch(out_dir: Path, o: SimpleNamespace) -> None:
 @with_options(options.BENCH)
 def bench(**flags):
     """Measure every decoding method side by side on this machine (interleaved, same prompts and settings)."""
-    b = heavy().bench
     o = given(options.BENCH, flags)
     n = o.tokens if o.tokens is not None else (300 if o.quick else 2000)
-    names = o.methods.split(",") if o.methods else (b.QUICK if o.quick else b.DEFAULT)
+    asked = o.methods.split(",") if o.methods else []  # none named: bench's own, below
     both = options.defaults(options.BENCH)["settings"]  # greedy and sample, unless --quick asks for greedy only
     setting_names = ["greedy"] if o.quick and o.settings == both else o.settings.split(",")
+    # what the user typed, checked before torch is imported (bench.run checks it again, for its other callers)
+    choices.validate(asked, setting_names, o.repeats, n, o.out)
+    choices.check_workloads(o.prompts.split(","))
+    b = heavy().bench
+    names = asked or (b.QUICK if o.quick else b.DEFAULT)
     report = b.run(names, setting_names, o.prompts.split(","), n, o.repeats, o.out,
                    log=lambda m: print(m, file=sys.stderr, flush=True))
     print(b.markdown(report))
