@@ -41,9 +41,10 @@ from ..models.forward import Forward
 from ..models.graphs import GraphedModel
 from ..models.hfmodel import load_hf
 from ..models.model import load_lean, load_lean_layers
-from ..models.modelfiles import check_gguf_header, load_tokenizer, model_config
+from ..models.modelfiles import check_gguf_header, model_config
 from ..models.parallel import check_divides
 from ..models.store import ModelRef, resolve, source_weights
+from ..models.tokenizer import open_tokenizer
 from ..tensors.exact import check
 from . import memory, ranks, runplan, schedule
 from .devices import attention_notes, fit_dtype, free_memory, pick_device, pick_weights, quantized_option, weight_bytes
@@ -139,7 +140,7 @@ def _check_parallel(cfg: Config, device: str, mcfg: "ModelConfig", lean: bool) -
 def _loaded(ref: ModelRef, mcfg: "ModelConfig", device: str, dtype, attention: str, graphs: bool, *, weights: str,
             weights_note: str | None, backend: str, threads: int, tp: int) -> Loaded:
     """The opened model in one record, with the choices open_model made; its tokenizer is read last."""
-    return Loaded(ref, load_tokenizer(ref.path), mcfg, device, dtype, attention=attention, cuda_graphs=graphs,
+    return Loaded(ref, open_tokenizer(ref.path), mcfg, device, dtype, attention=attention, cuda_graphs=graphs,
                   weights=weights, tp=tp, weights_note=weights_note, backend=backend, threads=threads)
 
 
