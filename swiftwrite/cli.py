@@ -29,6 +29,7 @@ from .base.options import OPTIONS, Option
 from .batch import rayjoin
 from .bench import choices
 from .io import rundir
+from .models import names
 from .run import inputs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -129,6 +130,7 @@ def generate(
     # what the user typed, checked before torch is imported: a mistyped path is refused at once
     _check_json(own)
     given_input = inputs.read(cfg, prompt, own.run_dir, own.out, own.stats_json)
+    names.kind(cfg.model)  # and what --model names, by its form and the disk (opening it is the writer's)
     raise typer.Exit(heavy().writer.generate(given_input, own.quiet, own.no_live, own.dry_run, own.json))
 
 
@@ -243,8 +245,8 @@ def bench(**flags):
     choices.validate(asked, setting_names, o.repeats, n, o.out)
     choices.check_workloads(o.prompts.split(","))
     b = heavy().bench
-    names = asked or (b.QUICK if o.quick else b.DEFAULT)
-    report = b.run(names, setting_names, o.prompts.split(","), n, o.repeats, o.out,
+    methods = asked or (b.QUICK if o.quick else b.DEFAULT)
+    report = b.run(methods, setting_names, o.prompts.split(","), n, o.repeats, o.out,
                    log=lambda m: print(m, file=sys.stderr, flush=True))
     print(b.markdown(report))
 
@@ -286,6 +288,7 @@ def models_pull(name: str = typer.Argument("smollm2-135m", metavar="NAME", help=
     GGUF of QUANT (default Q4_K_M) or safetensors checkpoint, into the Hugging Face cache and the store."""
     o = given(options.MODELS_PULL, flags)
     config_mod.Config(device=o.device).validate({"device": "--device"})
+    names.to_pull(name)  # an alias or a Hub name, before torch is imported
     path = heavy().store.pull(name, log=_say, device=o.device)
     _say(f"{name} is ready in {path}")
 

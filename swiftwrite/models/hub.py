@@ -35,13 +35,11 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..base.errors import UsageError, UserError, first_line
+from .names import DEFAULT_QUANT, HubName, parse  # noqa: F401 (hub.HubName, hub.parse: read as the Hub's names)
 
-DEFAULT_QUANT = "Q4_K_M"  # llama.cpp's -hf default: the usual balance of size and quality
 TIMEOUT_S = 8.0  # per request before "cannot be reached": the whole refusal stays within 10 s
 ENDPOINT = "https://huggingface.co"
 
-_REPO = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
-_QUANT = re.compile(r"[A-Za-z0-9_]{1,32}")
 # a GGUF's quantization, by convention the last part of its name: "…-Q4_K_M.gguf", "….Q8_0.gguf", "…-bf16.gguf"
 _QUANT_IN_NAME = re.compile(r"(?:^|[-._])((?:I?Q\d(?:_[A-Z0-9]+)*)|F16|BF16|F32|TQ\d_\d|MXFP4(?:_MOE)?)$", re.I)
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})$")
@@ -52,36 +50,7 @@ _CHECKPOINT_FILES = re.compile(r"(config\.json|generation_config\.json|tokenizer
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Names
-
-
-@dataclass(frozen=True)
-class HubName:
-    repo: str  # user/repo
-    quant: str | None  # as given, upper case; None: DEFAULT_QUANT, else the only GGUF
-
-    def __str__(self) -> str:
-        return self.repo + (f":{self.quant}" if self.quant else "")
-
-    @property
-    def key(self) -> str:
-        """The store entry a GGUF pulled under this name becomes: one directory name, found again offline."""
-        return "hf--" + self.repo.replace("/", "--") + (f"--{self.quant}" if self.quant else "")
-
-
-def parse(name: str) -> HubName | None:
-    """`user/repo` or `user/repo:QUANT` (llama.cpp's -hf), also with Ollama's `hf.co/` in front; None for any other
-    form. A quant that is empty or not a name is bad usage."""
-    s = re.sub(r"^(https?://)?(hf\.co|huggingface\.co)/", "", name)
-    repo, colon, quant = s.partition(":")
-    if not _REPO.fullmatch(repo) or ".." in repo or repo.endswith((".gguf", ".")):
-        return None
-    if colon and not quant:
-        raise UsageError(f"'{name}' ends in ':' without a quantization; give one ({repo}:{DEFAULT_QUANT}) or leave "
-                         f"the ':' out.")
-    if colon and not _QUANT.fullmatch(quant):
-        raise UsageError(f"'{quant}' in '{name}' is not a quantization name; give one such as {DEFAULT_QUANT} or Q8_0.")
-    return HubName(repo, quant.upper() if quant else None)
+# Names of files (a repository's own name, user/repo[:QUANT], is read in names.py)
 
 
 def quant_of(filename: str) -> str | None:

