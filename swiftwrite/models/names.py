@@ -81,7 +81,6 @@ def parse(name: str) -> HubName | None:
 # --model
 
 
-
 def kind(name: str) -> str:
     """What --model `name` is: "alias", "gguf" (a .gguf file here), "dir" (a model directory) or "hub" (a Hub name,
     pulled where it is not here); refused in one sentence where it is none of them, or a file or directory that

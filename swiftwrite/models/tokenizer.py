@@ -64,7 +64,9 @@ class LeanTokenizer:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def batch_decode(self, seqs, skip_special_tokens: bool = False) -> list[str]:
-        return [self.decode(s, skip_special_tokens) for s in seqs]
+        """As transformers' (each sequence decoded alone), in one call into Rust rather than one per sequence."""
+        seqs = [[int(i) for i in s] for s in seqs]
+        return self._tokenizer.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
 
     def get_vocab(self) -> dict[str, int]:
         return self._tokenizer.get_vocab(with_added_tokens=True)
@@ -194,8 +196,7 @@ def differences(tok, lean: LeanTokenizer) -> str | None:
     ids = list(range(n))
     if lean.convert_ids_to_tokens(ids) != tok.convert_ids_to_tokens(ids):
         return "the tokens of the ids"
-    if lean._tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False) != \
-            tok.batch_decode([[i] for i in ids]):
+    if lean.batch_decode([[i] for i in ids]) != tok.batch_decode([[i] for i in ids]):
         return "the text of each id"
     for text in PROBE:
         for special in (True, False):
@@ -223,7 +224,8 @@ def _key(path: Path) -> str | None:
         for name in FILES:
             if (path / name).is_file():
                 h.update(name.encode() + b"\0" + (path / name).read_bytes() + b"\0")
-        h.update(f"transformers {metadata.version('transformers')} tokenizers {metadata.version('tokenizers')}".encode())
+        versions = f"transformers {metadata.version('transformers')} tokenizers {metadata.version('tokenizers')}"
+        h.update(versions.encode())
     except (OSError, metadata.PackageNotFoundError):
         return None
     return h.hexdigest()[:32]
