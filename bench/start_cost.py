@@ -1,8 +1,9 @@
 """Start to exit of a short run, with and without what the store keeps for later starts: in half precision and with
 quantized weights the products' piece sizes (swiftwrite/tensors/exact.py, kept in exact_rows.json); in every run
 the tokenizer as transformers made it (swiftwrite/models/tokenizer.py, kept in tokenizers/), shown by the default
-float32 run. A start without the kept file does what every start did before it was kept; later ones read it. The
-tokens of every start must equal the first's; each text's Distinct-4 and longest repeat beside.
+float32 run. A start without the kept file does what every start did before it was kept (the tokenizer's also checks
+it again before keeping it, ~0.6 s); later ones read it. The tokens of every start must equal the first's; each
+text's Distinct-4 and longest repeat beside.
 
     python bench/start_cost.py --out bench/results/start_cost-DATE.json
 
