@@ -124,6 +124,18 @@ def test_a_kept_tokenizer_that_answers_otherwise_is_not_kept(home, tmp_path, mon
     assert not isinstance(open_tokenizer(path), LeanTokenizer)  # the verdict is kept, not tried at every start
 
 
+def test_a_template_that_fails_on_the_probe_is_not_kept_and_the_run_goes_on(home, tmp_path):
+    """A template that refuses the check's conversation (one that wants a system message first): the open still
+    gives transformers' tokenizer, and the reason is kept; nothing is raised at start-up."""
+    path = tokenizer_dir(tmp_path / "tok", "{% if messages[0]['role'] != 'system' %}"
+                         "{{ raise_exception('a system message comes first') }}{% endif %}" + CHATML)
+    for _ in range(2):
+        assert not isinstance(open_tokenizer(path), LeanTokenizer)
+    [kept] = kept_files(home)
+    assert json.loads(kept.read_text()) == {"backend": None,
+                                            "why": "the check failed (a system message comes first)"}
+
+
 @pytest.mark.parametrize("damage", ["not json", '{"backend": "{\\"version\\": 7}"}', '{"backend": "x"}', "[]"])
 def test_a_damaged_kept_file_is_built_again(home, tmp_path, damage):
     path = tokenizer_dir(tmp_path / "tok")

@@ -28,6 +28,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from ..base.durable import atomic_write
+from ..base.errors import first_line
 from ..base.paths import home
 from .modelfiles import GENERIC_TOKENIZERS, load_tokenizer
 
@@ -173,7 +174,10 @@ def snapshot(tok) -> dict:
     kept = {"backend": tok.backend_tokenizer.to_str(), "eos_token_id": tok.eos_token_id,
             "pad_token_id": tok.pad_token_id, "all_special_ids": list(tok.all_special_ids),
             "chat_template": tok.chat_template, "special_tokens_map": dict(tok.special_tokens_map)}
-    differs = differences(tok, LeanTokenizer(kept))
+    try:
+        differs = differences(tok, LeanTokenizer(kept))
+    except Exception as e:  # noqa: BLE001 - a template or tokenizer that fails on the probe, in either: not kept
+        return {"backend": None, "why": f"the check failed ({first_line(e)})"}
     return {"backend": None, "why": f"the kept tokenizer differs on {differs}"} if differs else kept
 
 
